@@ -1,0 +1,34 @@
+# All set-up happens here, in a local virtualenv: `make test` and `make demo` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint demo clean
+
+setup: $(STAMP)
+
+# torch first: the 2.13.0 CPU wheel where no CUDA device is present (any other request pulls a
+# multi-GB CUDA build); the default CUDA build where one is.
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install torch; \
+	else \
+		$(BIN)/python -m pip install torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
+	touch $@
+
+lint: setup
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info

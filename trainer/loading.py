@@ -1,0 +1,58 @@
+"""Loading drafts for the rest of the project, with the class asserted.
+
+With the published `model_type: "qwen3"`, `AutoModel.from_pretrained(draft)` without
+`trust_remote_code=True` silently returns a randomly initialised `Qwen3Model`. Every draft this
+project loads therefore goes through `load_draft`, which checks the class it got.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from transformers import AutoModel
+
+from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
+
+DRAFT_CLASSES = {cls.draft_architecture: cls for cls in (DFlashDraftModel, DFlash2DraftModel)}
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder", "force_download")
+
+
+def assert_draft_class(model: Any, expected: Iterable[str] = ("DFlash2DraftModel",)) -> None:
+    """Raise unless `model` is one of the `expected` draft classes (by name: remote-code copies of
+    the same class are different Python objects)."""
+    expected = tuple(expected)
+    name = type(model).__name__
+    if name not in expected:
+        hint = ""
+        if name.startswith("Qwen3"):
+            hint = (
+                " A qwen3-typed draft config loaded without trust_remote_code=True gives a random native "
+                "Qwen3 model; load with trust_remote_code=True or through load_draft()."
+            )
+        raise TypeError(f"Expected a draft of class {' or '.join(expected)}, got {name}.{hint}")
+
+
+def load_draft(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    expected: Iterable[str] = ("DFlash2DraftModel",),
+    trust_remote_code: bool = False,
+    **kwargs: Any,
+) -> DFlashDraftModel:
+    """Load a DFlash / DFlash2 draft from a directory or Hub id and assert its class.
+
+    By default the class comes from this installed package (chosen by the config's
+    `architectures`); `trust_remote_code=True` runs the modeling files shipped in the checkpoint
+    instead, as a user without this package would.
+    """
+    if trust_remote_code:
+        model = AutoModel.from_pretrained(path_or_repo_id, trust_remote_code=True, **kwargs)
+    else:
+        hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
+        config = DFlash2Config.from_pretrained(path_or_repo_id, **hub_kwargs)
+        draft_class = DRAFT_CLASSES[config.dflash_settings.architecture]
+        model = draft_class.from_pretrained(path_or_repo_id, config=config, **kwargs)
+    assert_draft_class(model, expected)
+    return model
