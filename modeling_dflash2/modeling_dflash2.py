@@ -622,6 +622,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         key_mapping = dict(CODEBOOK_KEY_MAPPING)
         key_mapping.update(kwargs.pop("key_mapping", None) or {})
         want_info = kwargs.pop("output_loading_info", False)
+        # Let transformers report shape mismatches instead of raising its own nameless error; the
+        # check below refuses them with the offending keys named.
+        kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, output_loading_info=True, **kwargs
         )
