@@ -417,8 +417,18 @@ class DFlash2CandidateSelector(nn.Module):
     def score(self, hidden: torch.Tensor, unary: torch.Tensor, predecessor_ids: torch.Tensor) -> SelectorScores:
         """Vectorized teacher-forced scores: every position at once, predecessors given."""
         candidate_unary, candidate_ids = self.candidates(unary)
-        scores = candidate_unary + self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
-        return SelectorScores(candidate_ids, candidate_unary, scores)
+        return self.score_candidates(hidden, candidate_ids, candidate_unary, predecessor_ids)
+
+    def score_candidates(
+        self,
+        hidden: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        candidate_unary: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+    ) -> SelectorScores:
+        """Scores of explicitly given candidates [..., K] with their unary logits [..., K]."""
+        transition = self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
+        return SelectorScores(candidate_ids, candidate_unary, candidate_unary + transition)
 
     def lattice(self, hidden: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor) -> SelectorLattice:
         """All K x K transition scores of a block: hidden [b, T, H], unary [b, T, V], anchors [b]."""

@@ -1,0 +1,340 @@
+"""The DFlash / DFlash2 training objective (objective.md §6-8).
+
+Base loss: cross-entropy on the served unary logits `softcap(m * z)` with position weights
+(gamma decay `exp(-(k-1)/gamma)`, or D-PACE), in numerator and denominator. DFlash2 adds the
+selector's teacher-forced cross-entropy over the strict unary top-K, weighted like the base loss
+and added over the base denominator with `alpha_eff`:
+
+    loss = (sum l_base * w + alpha_eff * sum l_selector * w_selector) / sum w
+
+The LM head and both losses run in chunks of blocks under activation checkpointing, so peak
+memory does not grow with N * B * V. Everything is returned as additive (numerator, denominator)
+pairs that pool exactly across chunks, micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from modeling_dflash2 import DFlashDraftModel
+from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.masks import attention_masks
+from trainer.metrics import MetricTerms, add_terms, selector_terms, unary_terms
+
+LOSS_TYPES = ("ce", "dpace")
+DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
+SELECTOR_GOLD_MODES = ("skip", "insert")
+
+
+def default_gamma(block_size: int) -> float | None:
+    """gamma 7 for B = 16 and 4 for B = 8 (the published recipes); no decay otherwise."""
+    return {16: 7.0, 8: 4.0}.get(block_size)
+
+
+@dataclass
+class ObjectiveConfig:
+    """Knobs of the objective. Defaults follow objective.md where it names one.
+
+    gamma: decay constant; None picks `default_gamma(block_size)`, 0 disables decay.
+    loss_type: "ce" (gamma-decayed CE) or "dpace" (dynamic position-aware CE, weight `dpace_weighting`:
+        "full" = W_k, "prefix" = P_k, "suffix" = W_k / P_k).
+    chunk_blocks: blocks per LM-head chunk.
+    selector_alpha / selector_warmup_ratio / selector_ramp_ratio: the selector weight schedule.
+    selector_gold: "skip" (gold outside the strict top-K gets weight 0, as serving never injects
+        gold) or "insert" (gold replaces the weakest candidate, training only).
+    selector_stop_gradient: the selector term does not reach the backbone.
+    """
+
+    num_anchors: int = 512
+    loss_type: str = "ce"
+    gamma: float | None = None
+    dpace_alpha: float = 0.5
+    dpace_weighting: str = "full"
+    chunk_blocks: int = 64
+    selector_alpha: float = 1.0
+    selector_warmup_ratio: float = 0.0
+    selector_ramp_ratio: float = 0.0
+    selector_gold: str = "skip"
+    selector_stop_gradient: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1 (got {self.num_anchors}).")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES} (got {self.loss_type!r}).")
+        if self.dpace_weighting not in DPACE_WEIGHTINGS:
+            raise ValueError(f"dpace_weighting must be one of {DPACE_WEIGHTINGS} (got {self.dpace_weighting!r}).")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in [0, 1] (got {self.dpace_alpha}).")
+        if self.gamma is not None and not math.isfinite(self.gamma):
+            raise ValueError(f"gamma must be finite (got {self.gamma}).")
+        if self.chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1 (got {self.chunk_blocks}).")
+        if not math.isfinite(self.selector_alpha) or self.selector_alpha < 0:
+            raise ValueError(f"selector_alpha must be finite and >= 0 (got {self.selector_alpha}).")
+        for name in ("selector_warmup_ratio", "selector_ramp_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1] (got {value}).")
+        if self.selector_gold not in SELECTOR_GOLD_MODES:
+            raise ValueError(f"selector_gold must be one of {SELECTOR_GOLD_MODES} (got {self.selector_gold!r}).")
+
+    def resolved_gamma(self, block_size: int) -> float | None:
+        gamma = default_gamma(block_size) if self.gamma is None else self.gamma
+        return gamma if gamma is not None and gamma > 0 else None
+
+    @property
+    def selector_enabled(self) -> bool:
+        """Configured alpha == 0 freezes the selector and skips its term."""
+        return self.selector_alpha > 0
+
+
+def selector_alpha_at(step: int | None, total_steps: int | None, config: ObjectiveConfig) -> float:
+    """alpha_eff: 0 during warmup, a linear ramp, then alpha; alpha itself with no step context.
+
+    warm = floor(T * warmup), ramp = floor(T * ramp); alpha * clamp((step - warm + 1) / ramp, 0, 1).
+    """
+    alpha = config.selector_alpha
+    if step is None or total_steps is None:
+        return alpha
+    warm = math.floor(total_steps * config.selector_warmup_ratio)
+    ramp = math.floor(total_steps * config.selector_ramp_ratio)
+    if step < warm:
+        return 0.0
+    if ramp <= 0:
+        return alpha
+    return alpha * min(max((step - warm + 1) / ramp, 0.0), 1.0)
+
+
+def decay_weights(block_size: int, gamma: float | None, device: torch.device | None = None) -> torch.Tensor:
+    """[B] position weights exp(-(k - 1) / gamma) for k >= 1 (slot 0 is never scored)."""
+    slots = torch.arange(block_size, device=device, dtype=torch.float32)
+    if gamma is None:
+        return torch.ones(block_size, device=device)
+    return torch.exp(-(slots - 1).clamp(min=0) / gamma)
+
+
+def dpace_weights(nll: torch.Tensor, weights: torch.Tensor, alpha: float, weighting: str = "full") -> torch.Tensor:
+    """D-PACE position weights for [blocks, B] per-slot NLL (detached) and binary weights.
+
+    s_k = (1 - alpha) exp(-l_k) + alpha (1 where w_k = 0); P_k = prod_{i<=k} s_i;
+    W_k = sum_{j>=k} P_j w_j. "full" -> W_k, "prefix" -> P_k, "suffix" -> W_k / P_k.
+    """
+    nll = nll.detach()
+    step = torch.where(weights > 0, (1 - alpha) * torch.exp(-nll) + alpha, torch.ones_like(nll))
+    prefix = torch.cumprod(step, dim=-1)
+    suffix = torch.flip(torch.cumsum(torch.flip(prefix * weights, [-1]), dim=-1), [-1])
+    if weighting == "prefix":
+        return prefix
+    if weighting == "suffix":
+        return suffix / prefix
+    return suffix
+
+
+@dataclass
+class ObjectiveResult:
+    """loss = numerator / denominator for this batch; pool numerator and denominator (not loss)
+    across micro-batches and ranks. `terms` holds additive metric pairs; `alpha` is alpha_eff."""
+
+    loss: torch.Tensor
+    numerator: torch.Tensor
+    denominator: torch.Tensor
+    terms: MetricTerms = field(default_factory=dict)
+    alpha: float = 0.0
+
+
+class _ChunkLoss:
+    """Losses and metrics of one chunk of blocks; called under activation checkpointing."""
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        output_head: nn.Module | torch.Tensor,
+        config: ObjectiveConfig,
+        decay: torch.Tensor,
+        with_selector: bool,
+    ):
+        self.draft = draft
+        self.output_head = output_head
+        self.config = config
+        self.decay = decay
+        self.with_selector = with_selector
+        self.terms: MetricTerms | None = None
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+        unary = self.draft.compute_logits(hidden, self.output_head)  # [c, B, V] fp32
+        nll = torch.logsumexp(unary, dim=-1) - unary.gather(-1, labels[..., None])[..., 0]
+        if self.config.loss_type == "dpace":
+            position_weight = weights * dpace_weights(
+                nll, weights, self.config.dpace_alpha, self.config.dpace_weighting
+            )
+        else:
+            position_weight = weights * self.decay
+        base_numerator = (nll * position_weight).sum()
+        base_denominator = position_weight.sum()
+        selector_numerator = torch.zeros((), device=hidden.device)
+        selector_parts = None
+        if self.with_selector:
+            selector_numerator, selector_parts = self._selector_loss(hidden, unary, labels, position_weight)
+        # Metrics once (the first, non-recomputed pass), on detached values.
+        if self.terms is None:
+            with torch.no_grad():
+                self.terms = self._metrics(hidden.detach(), unary.detach(), labels, weights, nll, selector_parts)
+        return base_numerator, base_denominator, selector_numerator
+
+    def _selector_loss(self, hidden, unary, labels, position_weight):
+        selector = self.draft.candidate_selector
+        gold = labels[:, 1:]
+        predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor, then the gold tokens
+        proposal_hidden, proposal_unary = hidden[:, 1:], unary[:, 1:]
+        candidate_unary, candidate_ids = selector.candidates(proposal_unary)
+        is_gold = candidate_ids == gold[..., None]
+        covered = is_gold.any(dim=-1)
+        if self.config.selector_gold == "insert":
+            weakest = torch.zeros_like(is_gold)
+            weakest[..., -1] = True
+            replace = weakest & ~covered[..., None]
+            candidate_ids = torch.where(replace, gold[..., None], candidate_ids)
+            gold_unary = proposal_unary.gather(-1, gold[..., None])
+            candidate_unary = torch.where(replace, gold_unary, candidate_unary)
+            is_gold = candidate_ids == gold[..., None]
+            selector_weight = position_weight[:, 1:]
+        else:
+            selector_weight = position_weight[:, 1:] * covered
+        if self.config.selector_stop_gradient:
+            proposal_hidden, candidate_unary = proposal_hidden.detach(), candidate_unary.detach()
+        scores = selector.score_candidates(proposal_hidden, candidate_ids, candidate_unary, predecessors).scores
+        gold_index = is_gold.float().argmax(dim=-1, keepdim=True)
+        cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index)[..., 0]
+        return (cross_entropy * selector_weight).sum(), (scores.detach(), gold_index[..., 0], covered)
+
+    def _metrics(self, hidden, unary, labels, weights, nll, selector_parts) -> MetricTerms:
+        terms = unary_terms(unary.argmax(dim=-1), labels, weights)
+        terms["loss_base_unweighted"] = ((nll.detach() * weights).sum(), weights.sum())
+        if selector_parts is not None:
+            scores, gold_index, covered = selector_parts
+            proposal_weights = weights[:, 1:]
+            walk = self.draft.candidate_selector.walk(hidden[:, 1:], unary[:, 1:], labels[:, 0])
+            terms.update(
+                selector_terms(
+                    covered=covered,
+                    selector_correct=scores.argmax(dim=-1) == gold_index,
+                    unary_correct=unary[:, 1:].argmax(dim=-1) == labels[:, 1:],
+                    walk_correct=walk.tokens == labels[:, 1:],
+                    weights=proposal_weights,
+                )
+            )
+        return terms
+
+
+def frozen_output_head(output_head: nn.Module | torch.Tensor) -> nn.Module | torch.Tensor:
+    """The target LM head, guaranteed to take no gradient: tensors are detached, modules must be frozen."""
+    if isinstance(output_head, torch.Tensor):
+        return output_head.detach()
+    if any(parameter.requires_grad for parameter in output_head.parameters()):
+        raise ValueError("The target LM head must be frozen (requires_grad=False): it is served from the target.")
+    return output_head
+
+
+def configure_selector_training(draft: DFlashDraftModel, config: ObjectiveConfig) -> None:
+    """Configured alpha == 0: freeze the selector so it stays out of the optimizer."""
+    selector = getattr(draft, "candidate_selector", None)
+    if selector is not None:
+        selector.requires_grad_(config.selector_enabled)
+
+
+def dflash_loss(
+    draft: DFlashDraftModel,
+    hidden: torch.Tensor,
+    blocks: BlockBatch,
+    output_head: nn.Module | torch.Tensor,
+    config: ObjectiveConfig,
+    alpha: float | None = None,
+) -> ObjectiveResult:
+    """Objective for draft outputs `hidden` [b, N*B, H] of the packed `blocks`.
+
+    `alpha` is alpha_eff (see `selector_alpha_at`); None means the configured alpha. With DFlash2
+    and alpha > 0 configured, the selector term is always computed and multiplied by alpha_eff, so
+    every selector parameter stays in the graph (zero gradients during warmup).
+    """
+    block_size = blocks.block_size
+    output_head = frozen_output_head(output_head)
+    alpha_eff = config.selector_alpha if alpha is None else alpha
+    with_selector = bool(draft.dflash.is_dflash2 and config.selector_enabled)
+    labels = blocks.labels.reshape(-1, block_size)
+    weights = blocks.weights.reshape(-1, block_size)
+    flat_hidden = hidden.reshape(-1, block_size, hidden.shape[-1])
+    # Blocks with nothing to score (dummy slots, fully unsupervised) cost no LM-head work; if no
+    # block is active one zero-weight block still runs so the graph (and every parameter) is kept.
+    active = weights.sum(dim=-1) > 0
+    if not active.any():
+        active[0] = True
+    index = active.nonzero()[:, 0]
+    flat_hidden, labels, weights = flat_hidden[index], labels[index], weights[index]
+
+    decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
+    numerator = hidden.new_zeros((), dtype=torch.float32)
+    denominator = hidden.new_zeros((), dtype=torch.float32)
+    selector_numerator = hidden.new_zeros((), dtype=torch.float32)
+    terms: MetricTerms = {}
+    for start in range(0, index.numel(), config.chunk_blocks):
+        chunk = slice(start, start + config.chunk_blocks)
+        step = _ChunkLoss(draft, output_head, config, decay, with_selector)
+        args = (flat_hidden[chunk], labels[chunk], weights[chunk])
+        parts = checkpoint(step, *args, use_reentrant=False) if torch.is_grad_enabled() else step(*args)
+        numerator = numerator + parts[0]
+        denominator = denominator + parts[1]
+        selector_numerator = selector_numerator + parts[2]
+        add_terms(terms, step.terms)
+
+    total = numerator + alpha_eff * selector_numerator
+    loss = torch.where(denominator > 0, total / denominator.clamp(min=1e-12), total * 0.0)
+    terms["loss"] = (total.detach(), denominator.detach())
+    terms["loss_base"] = (numerator.detach(), denominator.detach())
+    if with_selector:
+        terms["loss_selector"] = (selector_numerator.detach(), denominator.detach())
+    return ObjectiveResult(loss=loss, numerator=total, denominator=denominator, terms=terms, alpha=alpha_eff)
+
+
+def embed_draft_ids(embedding_weight: torch.Tensor, draft_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """Noise embedding from the frozen target embedding (never a gradient path)."""
+    with torch.no_grad():
+        return F.embedding(draft_ids, embedding_weight) * scale
+
+
+def draft_objective(
+    draft: DFlashDraftModel,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_hidden: torch.Tensor,
+    embedding_weight: torch.Tensor,
+    output_head: nn.Module | torch.Tensor,
+    config: ObjectiveConfig,
+    draw: AnchorDraw | None,
+    alpha: float | None = None,
+    row_ids: torch.Tensor | None = None,
+) -> ObjectiveResult:
+    """One batch end to end: anchors -> blocks -> masks -> draft forward -> objective.
+
+    input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]. `draw=None` uses deterministic anchors
+    at every valid position (evaluation).
+    """
+    settings = draft.dflash
+    anchors, keep = sample_anchors(loss_mask, config.num_anchors, draw, row_ids)
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, settings.block_size, settings.mask_token_id)
+    backend = draft.config._attn_implementation or "sdpa"
+    masks = attention_masks(blocks, settings, "flex_attention" if backend == "flex_attention" else "sdpa")
+    noise = embed_draft_ids(embedding_weight, blocks.draft_ids, settings.input_embedding_scale)
+    hidden = draft(
+        position_ids=blocks.model_position_ids(),
+        noise_embedding=noise.to(target_hidden.dtype),
+        target_hidden=target_hidden,
+        attention_mask=masks,
+    )
+    return dflash_loss(draft, hidden, blocks, output_head, config, alpha)
