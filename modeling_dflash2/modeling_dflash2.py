@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -573,8 +574,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         attention_mask: MaskLike = None,
         past_key_values: Cache | None = None,
         use_cache: bool = False,
+        output_transform: Callable[[torch.Tensor], Any] | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> Any:
         """Final-normed hidden states of the block tokens [b, q, H].
 
         position_ids [b, ctx + q]: absolute positions of the context then the block tokens.
@@ -585,6 +587,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             mask, a flex BlockMask, or a dict of those keyed by layer type.
         past_key_values: a Cache that receives each layer's context and block keys/values; the caller
             crops it (as z-lab's `dflash_generate` does).
+        output_transform: applied to the hidden states before returning, inside this forward, so a
+            training objective that uses the selector runs while FSDP2 has the parameters gathered.
         """
         expected = len(self.dflash.target_layer_ids) * self.config.hidden_size
         if target_hidden.shape[-1] != expected:
@@ -613,7 +617,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 past_key_values=past_key_values,
                 **kwargs,
             )
-        return self.norm(hidden_states)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states if output_transform is None else output_transform(hidden_states)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
         """Transformed unary logits (fp32): target LM head, x output_multiplier, then soft-cap."""

@@ -5,7 +5,10 @@ Base loss: cross-entropy on the served unary logits `softcap(m * z)` with positi
 selector's teacher-forced cross-entropy over the strict unary top-K, weighted like the base loss
 and added over the base denominator with `alpha_eff`:
 
-    loss = (sum l_base * w + alpha_eff * sum l_selector * w_selector) / sum w
+    loss = (sum l_base * w_pos + alpha_eff * sum l_selector * w_sel) / normaliser
+
+with w_pos the position weight (decay or D-PACE), w_sel = w_pos on slots whose gold is a candidate,
+and the normaliser sum w * decay (CE) or sum w (D-PACE): see `loss_denominator`.
 
 The LM head and both losses run in chunks of blocks under activation checkpointing, so peak
 memory does not grow with N * B * V. Everything is returned as additive (numerator, denominator)
@@ -148,6 +151,10 @@ class ObjectiveResult:
     terms: MetricTerms = field(default_factory=dict)
     alpha: float = 0.0
 
+    def as_dict(self) -> dict:
+        """A plain nested dict (a pytree DDP/FSDP2 can see through) of the same values."""
+        return dict(self.__dict__)
+
 
 class _ChunkLoss:
     """Losses and metrics of one chunk of blocks; called under activation checkpointing."""
@@ -177,7 +184,6 @@ class _ChunkLoss:
         else:
             position_weight = weights * self.decay
         base_numerator = (nll * position_weight).sum()
-        base_denominator = position_weight.sum()
         selector_numerator = torch.zeros((), device=hidden.device)
         selector_parts = None
         if self.with_selector:
@@ -186,7 +192,7 @@ class _ChunkLoss:
         if self.terms is None:
             with torch.no_grad():
                 self.terms = self._metrics(hidden.detach(), unary.detach(), labels, weights, nll, selector_parts)
-        return base_numerator, base_denominator, selector_numerator
+        return base_numerator, selector_numerator
 
     def _selector_loss(self, hidden, unary, labels, position_weight):
         selector = self.draft.candidate_selector
@@ -231,6 +237,17 @@ class _ChunkLoss:
                 )
             )
         return terms
+
+
+def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig) -> torch.Tensor:
+    """The loss normaliser, a function of the block weights [..., B] alone, so a trainer can pool it
+    over micro-batches and ranks before any forward pass: sum w * decay for CE, and the number of
+    supervised slots sum w for D-PACE (whose own weights depend on the model)."""
+    if config.loss_type == "dpace":
+        return weights.sum().float()
+    block_size = weights.shape[-1]
+    decay = decay_weights(block_size, config.resolved_gamma(block_size), weights.device)
+    return (weights * decay).sum().float()
 
 
 def frozen_output_head(output_head: nn.Module | torch.Tensor) -> nn.Module | torch.Tensor:
@@ -280,7 +297,6 @@ def dflash_loss(
 
     decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
     numerator = hidden.new_zeros((), dtype=torch.float32)
-    denominator = hidden.new_zeros((), dtype=torch.float32)
     selector_numerator = hidden.new_zeros((), dtype=torch.float32)
     terms: MetricTerms = {}
     for start in range(0, index.numel(), config.chunk_blocks):
@@ -289,9 +305,9 @@ def dflash_loss(
         args = (flat_hidden[chunk], labels[chunk], weights[chunk])
         parts = checkpoint(step, *args, use_reentrant=False) if torch.is_grad_enabled() else step(*args)
         numerator = numerator + parts[0]
-        denominator = denominator + parts[1]
-        selector_numerator = selector_numerator + parts[2]
+        selector_numerator = selector_numerator + parts[1]
         add_terms(terms, step.terms)
+    denominator = loss_denominator(blocks.weights, config)
 
     total = numerator + alpha_eff * selector_numerator
     loss = torch.where(denominator > 0, total / denominator.clamp(min=1e-12), total * 0.0)
@@ -319,22 +335,28 @@ def draft_objective(
     draw: AnchorDraw | None,
     alpha: float | None = None,
     row_ids: torch.Tensor | None = None,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    forward_module: nn.Module | None = None,
 ) -> ObjectiveResult:
     """One batch end to end: anchors -> blocks -> masks -> draft forward -> objective.
 
-    input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]. `draw=None` uses deterministic anchors
-    at every valid position (evaluation).
+    input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]. Anchors come from `anchors`
+    ((anchors, keep), e.g. drawn ahead by a trainer) or are drawn here with `draw`; `draw=None`
+    takes every valid position in order (evaluation). `forward_module` is the (possibly DDP/FSDP
+    wrapped) module to call; the objective runs inside its forward.
     """
     settings = draft.dflash
-    anchors, keep = sample_anchors(loss_mask, config.num_anchors, draw, row_ids)
-    blocks = build_blocks(input_ids, loss_mask, anchors, keep, settings.block_size, settings.mask_token_id)
+    if anchors is None:
+        anchors = sample_anchors(loss_mask, config.num_anchors, draw, row_ids)
+    blocks = build_blocks(input_ids, loss_mask, *anchors, settings.block_size, settings.mask_token_id)
     backend = draft.config._attn_implementation or "sdpa"
     masks = attention_masks(blocks, settings, "flex_attention" if backend == "flex_attention" else "sdpa")
     noise = embed_draft_ids(embedding_weight, blocks.draft_ids, settings.input_embedding_scale)
-    hidden = draft(
+    outputs = (forward_module or draft)(
         position_ids=blocks.model_position_ids(),
         noise_embedding=noise.to(target_hidden.dtype),
         target_hidden=target_hidden,
         attention_mask=masks,
+        output_transform=lambda hidden: dflash_loss(draft, hidden, blocks, output_head, config, alpha).as_dict(),
     )
-    return dflash_loss(draft, hidden, blocks, output_head, config, alpha)
+    return ObjectiveResult(**outputs)

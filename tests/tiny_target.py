@@ -1,0 +1,153 @@
+"""A tiny random causal-LM target with a real (word-level, ChatML) tokenizer, built in-process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from modeling_dflash2 import DFlash2Config
+from trainer.target import FrozenTarget
+
+SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<mask>"]
+WORDS = [
+    "hello",
+    "hi",
+    "how",
+    "are",
+    "you",
+    "i",
+    "am",
+    "fine",
+    "thanks",
+    "what",
+    "is",
+    "your",
+    "name",
+    "my",
+    "the",
+    "a",
+    "capital",
+    "of",
+    "france",
+    "paris",
+    "good",
+    "morning",
+    "evening",
+    "night",
+    "do",
+    "like",
+    "to",
+    "eat",
+    "read",
+    "play",
+    "music",
+    "games",
+    "yes",
+    "no",
+    "maybe",
+    "why",
+    "because",
+    "tell",
+    "me",
+    "about",
+    "weather",
+    "sunny",
+    "rain",
+    "today",
+    "tomorrow",
+    "user",
+    "assistant",
+    "system",
+]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|> ' + message['role'] + ' ' + message['content'] + ' <|im_end|> ' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|> assistant ' }}{% endif %}"
+)
+MASK_TOKEN_ID = 3
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: index for index, token in enumerate(SPECIAL + sorted(set(WORDS)))}
+    vocab["<unk>"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> FrozenTarget:
+    tokenizer = tiny_tokenizer()
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
+    return FrozenTarget(model.float(), tokenizer)
+
+
+def tiny_draft_config_for(
+    target: FrozenTarget, dflash: dict[str, Any] | None = None, **overrides: Any
+) -> DFlash2Config:
+    dflash_config = {
+        "block_size": 4,
+        "mask_token_id": MASK_TOKEN_ID,
+        "target_layer_ids": [1, 2],
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+    }
+    dflash_config.update(dflash or {})
+    values: dict[str, Any] = {
+        "architectures": ["DFlash2DraftModel"],
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": target.vocab_rows,
+        "num_target_layers": target.num_layers,
+        "is_causal": False,
+        "layer_types": ["full_attention"],
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "dflash_config": dflash_config,
+    }
+    values.update(overrides)
+    return DFlash2Config(**values)
+
+
+def tiny_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """Random short conversations over the tiny vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+    words = sorted(set(WORDS))
+
+    def sentence(length: int) -> str:
+        picks = torch.randint(0, len(words), (length,), generator=generator).tolist()
+        return " ".join(words[i] for i in picks)
+
+    conversations = []
+    for _ in range(count):
+        length = int(torch.randint(6, 14, (1,), generator=generator))
+        conversations.append(
+            [{"role": "user", "content": sentence(4)}, {"role": "assistant", "content": sentence(length)}]
+        )
+    return conversations

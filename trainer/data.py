@@ -1,0 +1,493 @@
+"""Training data: chat -> tokens + assistant loss mask, target-regenerated responses, offline features.
+
+Every dataset here is map-style (a `datasets.Dataset` or an indexable torch dataset), so Trainer's
+resume skips exactly the consumed samples. Samples carry `input_ids` and `loss_mask` (1 on tokens
+the draft is trained to predict); offline datasets add `target_hidden`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from trainer.blocks import valid_anchor_mask
+from trainer.fileio import default_cache_root, digest, write_directory_atomically
+from trainer.target import FrozenTarget
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sources
+# ---------------------------------------------------------------------------------------------
+
+
+def chitchat_prompts() -> list[str]:
+    """First message of each of the 7,168 conversations of PyPI `chitchat-dataset` (MIT), in file order."""
+    try:
+        import chitchat_dataset
+    except ImportError as error:
+        raise ValueError("dataset 'chitchat' needs the PyPI package chitchat-dataset.") from error
+    prompts = []
+    for conversation in chitchat_dataset.ConversationDataset():
+        first = next(iter(conversation), "").strip()
+        if first:
+            prompts.append(first)
+    return prompts
+
+
+def split_prompts(prompts: list[str], eval_count: int) -> tuple[list[str], list[str]]:
+    """Hold out the last `eval_count` prompts (a fixed, reproducible split)."""
+    if eval_count <= 0:
+        return prompts, []
+    return prompts[:-eval_count], prompts[-eval_count:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templating and loss masks
+# ---------------------------------------------------------------------------------------------
+
+
+def template_kwargs(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool | None) -> dict[str, Any]:
+    """`enable_thinking` is passed only to templates that have the switch; asking for it on a
+    template without one is an error rather than a silent no-op."""
+    if enable_thinking is None:
+        return {}
+    if "enable_thinking" not in (tokenizer.chat_template or ""):
+        raise ValueError("enable_thinking is set but this tokenizer's chat template has no thinking switch.")
+    return {"enable_thinking": enable_thinking}
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool, extra: dict[str, Any]) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True, **extra
+        )["input_ids"]
+    )
+
+
+def _end_of_turn_ids(tokenizer) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+def tokenize_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, str]],
+    enable_thinking: bool | None = None,
+) -> dict[str, list[int]]:
+    """Token ids of a conversation and a loss mask that is 1 exactly on assistant tokens.
+
+    Templates with `{% generation %}` markers report the assistant tokens themselves; otherwise
+    each assistant turn is located by incremental templating: the tokens added between
+    `template(messages[:i], add_generation_prompt=True)` and `template(messages[:i+1])`, up to and
+    including the end-of-turn token.
+    """
+    extra = template_kwargs(tokenizer, enable_thinking)
+    if "{% generation %}" in (tokenizer.chat_template or "") or "{%- generation %}" in (tokenizer.chat_template or ""):
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+        )
+        return {"input_ids": list(rendered["input_ids"]), "loss_mask": list(rendered["assistant_masks"])}
+    input_ids = _render(tokenizer, messages, False, extra)
+    loss_mask = [0] * len(input_ids)
+    end_of_turn = _end_of_turn_ids(tokenizer)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:index], True, extra)
+        through = _render(tokenizer, messages[: index + 1], False, extra)
+        if through[: len(prefix)] != prefix or input_ids[: len(through)] != through:
+            raise ValueError(
+                f"Cannot locate assistant turn {index} by incremental templating: the chat template renders "
+                "earlier turns differently once later ones exist. Use a template with {% generation %} markers."
+            )
+        end = len(through)
+        for position in range(len(prefix), len(through)):
+            if through[position] in end_of_turn:
+                end = position + 1
+                break
+        loss_mask[len(prefix) : end] = [1] * (end - len(prefix))
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def truncate_and_filter(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:
+    """Truncate to `max_length` and drop samples left without a valid anchor (count logged)."""
+
+    def truncate(sample):
+        return {"input_ids": sample["input_ids"][:max_length], "loss_mask": sample["loss_mask"][:max_length]}
+
+    dataset = dataset.map(truncate, desc="truncating")
+    before = len(dataset)
+
+    def has_anchor(sample) -> bool:
+        return bool(valid_anchor_mask(torch.tensor([sample["loss_mask"]])).any())
+
+    dataset = dataset.filter(has_anchor, desc="dropping samples without a valid anchor")
+    dropped = before - len(dataset)
+    if dropped:
+        logger.warning("Dropped %d of %d samples with no two adjacent supervised tokens.", dropped, before)
+    if len(dataset) == 0:
+        raise ValueError("No sample has a valid anchor (two adjacent supervised tokens) after truncation.")
+    return dataset
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: datasets.Dataset,
+    messages_column: str = "messages",
+    enable_thinking: bool | None = None,
+) -> datasets.Dataset:
+    if messages_column not in conversations.column_names:
+        raise ValueError(f"chat dataset has no '{messages_column}' column (columns: {conversations.column_names}).")
+    return conversations.map(
+        lambda sample: tokenize_chat(tokenizer, sample[messages_column], enable_thinking),
+        remove_columns=conversations.column_names,
+        desc="applying the chat template",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses regenerated by the target (on-policy data)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    max_prompt_length: int = 1024
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 16
+    seed: int = 0
+    enable_thinking: bool | None = None
+
+
+def prompt_conversation(prompt: str, system_prompt: str | None = None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": prompt}]
+
+
+def conversation_prefix(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages before the first assistant turn: what the target is asked to answer."""
+    prefix = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        prefix.append({"role": message["role"], "content": message["content"]})
+    if not prefix:
+        raise ValueError("a conversation starts with an assistant turn: nothing to regenerate from")
+    return prefix
+
+
+@torch.no_grad()
+def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: GenerationSettings, batch_index: int):
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):  # left padding, once per batch
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    sampling = settings.temperature > 0
+    generator_kwargs: dict[str, Any] = {"do_sample": sampling}
+    if sampling:
+        torch.manual_seed(settings.seed * 1_000_003 + batch_index)
+        generator_kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
+    else:
+        generator_kwargs.update(temperature=None, top_p=None, top_k=None)
+    end_of_turn = sorted(_end_of_turn_ids(tokenizer))
+    output = target.model.generate(
+        input_ids=input_ids.to(target.device),
+        attention_mask=attention_mask.to(target.device),
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=end_of_turn,
+        pad_token_id=pad_id,
+        **generator_kwargs,
+    )
+    responses = []
+    for row in output[:, width:].tolist():
+        cut = next((i + 1 for i, token in enumerate(row) if token in end_of_turn), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+def regenerate(
+    target: FrozenTarget,
+    prompts: list[list[dict[str, str]]],
+    settings: GenerationSettings,
+    cache_root: Path,
+) -> datasets.Dataset:
+    """Prompt conversations -> answered by the target itself, as token ids (on-policy data).
+
+    `input_ids` = templated prompt + the generated tokens (through the end-of-turn token);
+    `loss_mask` is 1 on the generated tokens. Cached with `save_to_disk` under a key of the target,
+    the prompts, the settings and the chat template; a cached result is reused as is.
+    """
+    tokenizer = target.tokenizer
+    key = digest(
+        {
+            "target": target.fingerprint(),
+            "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest(),
+            "settings": asdict(settings),
+            "template": tokenizer.chat_template,
+        }
+    )
+    path = cache_root / "generated" / key
+    if (path / "dataset_info.json").exists():
+        logger.info("Reusing %d target-generated responses from %s", len(prompts), path)
+        return datasets.load_from_disk(str(path))
+    extra = template_kwargs(tokenizer, settings.enable_thinking)
+    prompt_ids = [_render(tokenizer, messages, True, extra) for messages in prompts]
+    kept = [index for index, ids in enumerate(prompt_ids) if len(ids) <= settings.max_prompt_length]
+    if len(kept) < len(prompts):
+        logger.warning(
+            "Skipping %d of %d prompts longer than max_prompt_length=%d tokens.",
+            len(prompts) - len(kept),
+            len(prompts),
+            settings.max_prompt_length,
+        )
+        prompts, prompt_ids = [prompts[i] for i in kept], [prompt_ids[i] for i in kept]
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt": [], "response": []}
+    batches = range(0, len(prompts), settings.batch_size)
+    for batch_index, start in enumerate(tqdm(batches, desc="generating responses with the target")):
+        chunk = prompt_ids[start : start + settings.batch_size]
+        generated = _generate_batch(target, chunk, settings, batch_index)
+        for prompt, tokens, messages in zip(chunk, generated, prompts[start:], strict=False):
+            rows["input_ids"].append(prompt + tokens)
+            rows["loss_mask"].append([0] * len(prompt) + [1] * len(tokens))
+            rows["prompt"].append(messages[-1]["content"])
+            rows["response"].append(tokenizer.decode(tokens, skip_special_tokens=True))
+    dataset = datasets.Dataset.from_dict(rows)
+    write_directory_atomically(path, lambda directory: dataset.save_to_disk(str(directory)))
+    return datasets.load_from_disk(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline features: run the target once, train from disk
+# ---------------------------------------------------------------------------------------------
+
+
+FEATURE_INDEX = "features.json"
+
+
+def token_fingerprint(dataset: datasets.Dataset) -> str:
+    """Hash of every sample's token ids (stable across processes, unlike in-memory dataset fingerprints)."""
+    hasher = hashlib.sha256()
+    for ids in dataset["input_ids"]:
+        hasher.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        hasher.update(b"|")
+    return hasher.hexdigest()
+
+
+def prepare_features(
+    target: FrozenTarget,
+    dataset: datasets.Dataset,
+    layer_ids: Sequence[int],
+    cache_root: Path,
+    dtype: torch.dtype = torch.float32,
+    batch_size: int = 8,
+    shard_samples: int = 256,
+) -> Path:
+    """Capture `hidden_states[id + 1]` for every sample once; store safetensors shards on disk.
+
+    Keyed by the target, the token ids and the layer ids; an existing store is reused.
+    """
+    key = digest(
+        {
+            "target": target.fingerprint(),
+            "data": token_fingerprint(dataset),
+            "layers": list(layer_ids),
+            "dtype": str(dtype),
+        }
+    )
+    path = cache_root / "features" / key
+    if (path / FEATURE_INDEX).exists():
+        logger.info("Reusing offline target features from %s", path)
+        return path
+
+    def write(directory: Path) -> None:
+        shards, shard, shard_index = [], {}, 0
+        for start in tqdm(range(0, len(dataset), batch_size), desc="capturing target hidden states"):
+            batch = dataset[start : start + batch_size]["input_ids"]
+            lengths = [len(ids) for ids in batch]
+            input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for row, ids in enumerate(batch):  # right padding: a causal target ignores what follows
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                attention_mask[row, : len(ids)] = 1
+            hidden = target.capture(input_ids.to(target.device), attention_mask.to(target.device), layer_ids)
+            for row, length in enumerate(lengths):
+                shard[f"sample_{start + row}"] = hidden[row, :length].to("cpu", dtype).contiguous()
+            if len(shard) >= shard_samples or start + batch_size >= len(dataset):
+                name = f"shard-{shard_index:05d}.safetensors"
+                save_file(shard, directory / name)
+                shards.append({"file": name, "samples": sorted(int(k.split("_")[1]) for k in shard)})
+                shard, shard_index = {}, shard_index + 1
+        (directory / FEATURE_INDEX).write_text(
+            json.dumps({"num_samples": len(dataset), "layer_ids": list(layer_ids), "shards": shards})
+        )
+
+    write_directory_atomically(path, write)
+    return path
+
+
+class OfflineDataset(torch.utils.data.Dataset):
+    """Token samples joined with their stored target features (memory-mapped on access)."""
+
+    def __init__(self, tokens: datasets.Dataset, features: Path):
+        index = json.loads((features / FEATURE_INDEX).read_text())
+        if index["num_samples"] != len(tokens):
+            raise ValueError(f"feature store {features} has {index['num_samples']} samples, dataset {len(tokens)}.")
+        self.tokens = tokens
+        self.features = features
+        self.shard_of = {sample: shard["file"] for shard in index["shards"] for sample in shard["samples"]}
+        self._handles: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = dict(self.tokens[index])
+        shard = self.shard_of[index]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.features / shard, "pt")
+        hidden = self._handles[shard].get_tensor(f"sample_{index}")
+        if hidden.shape[0] != len(sample["input_ids"]):
+            raise ValueError(f"sample {index}: {hidden.shape[0]} feature rows for {len(sample['input_ids'])} tokens.")
+        sample["target_hidden"] = hidden
+        return sample
+
+    def __getstate__(self):  # dataloader workers open their own handles
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Collation
+# ---------------------------------------------------------------------------------------------
+
+
+class DFlashCollator:
+    """Right-pads `input_ids` (pad id), `loss_mask` (0), `attention_mask`, and `target_hidden` (0)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(sample["input_ids"]) for sample in samples]
+        width = max(lengths)
+        batch = {
+            "input_ids": torch.full((len(samples), width), self.pad_token_id, dtype=torch.long),
+            "loss_mask": torch.zeros(len(samples), width, dtype=torch.long),
+            "attention_mask": torch.zeros(len(samples), width, dtype=torch.long),
+        }
+        has_features = "target_hidden" in samples[0]
+        if has_features:
+            first = torch.as_tensor(samples[0]["target_hidden"])
+            batch["target_hidden"] = torch.zeros(len(samples), width, first.shape[-1], dtype=first.dtype)
+        for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+            batch["input_ids"][row, :length] = torch.as_tensor(sample["input_ids"])
+            batch["loss_mask"][row, :length] = torch.as_tensor(sample["loss_mask"])
+            batch["attention_mask"][row, :length] = 1
+            if has_features:
+                batch["target_hidden"][row, :length] = torch.as_tensor(sample["target_hidden"])
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# From arguments to datasets
+# ---------------------------------------------------------------------------------------------
+
+
+def load_raw_dataset(spec: str, split: str) -> datasets.Dataset:
+    """A `save_to_disk` directory, a JSON / JSONL / Parquet file, or a Hub dataset id."""
+    path = Path(spec)
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        return datasets.load_from_disk(str(path))
+    if path.is_file():
+        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise ValueError(f"dataset file {spec}: expected .json, .jsonl or .parquet")
+        return datasets.load_dataset(kind, data_files=str(path), split="train")
+    return datasets.load_dataset(spec, split=split)
+
+
+def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
+    """(train, eval or None) tokenized datasets, or offline datasets with stored target features.
+
+    `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
+    answered by the target; the last `num_eval_samples` prompts/conversations are held out.
+    """
+    cache_root = Path(args.cache_dir) if args.cache_dir else default_cache_root()
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_length=args.max_prompt_length,
+        temperature=args.generation_temperature,
+        top_p=args.generation_top_p,
+        batch_size=args.generation_batch_size,
+        enable_thinking=args.enable_thinking,
+    )
+    if args.dataset == "chitchat":
+        if not args.regenerate:
+            raise ValueError("dataset 'chitchat' holds prompts only: regenerate must be true")
+        prompts = [prompt_conversation(p, args.system_prompt) for p in chitchat_prompts()]
+        conversations = None
+    else:
+        raw = load_raw_dataset(args.dataset, args.dataset_split)
+        if args.messages_column in raw.column_names and not args.regenerate:
+            conversations, prompts = raw, None
+        elif args.messages_column in raw.column_names:
+            conversations, prompts = None, [conversation_prefix(m) for m in raw[args.messages_column]]
+        elif args.prompt_column in raw.column_names:
+            if not args.regenerate:
+                raise ValueError(f"dataset has prompts only ('{args.prompt_column}'): regenerate must be true")
+            conversations, prompts = None, [prompt_conversation(p, args.system_prompt) for p in raw[args.prompt_column]]
+        else:
+            raise ValueError(
+                f"dataset needs a '{args.messages_column}' or a '{args.prompt_column}' column; "
+                f"it has {raw.column_names}"
+            )
+
+    def held_out(items):
+        train, evaluation = split_prompts(list(items), args.num_eval_samples)
+        return train[: args.num_train_samples] if args.num_train_samples else train, evaluation
+
+    if prompts is not None:
+        train_prompts, eval_prompts = held_out(prompts)
+        train = regenerate(target, train_prompts, settings, cache_root)
+        evaluation = regenerate(target, eval_prompts, settings, cache_root) if eval_prompts else None
+    else:
+        train_rows, eval_rows = held_out(range(len(conversations)))
+        tokenized = tokenize_conversations(target.tokenizer, conversations, args.messages_column, args.enable_thinking)
+        train = tokenized.select(train_rows)
+        evaluation = tokenized.select(eval_rows) if eval_rows else None
+    train = truncate_and_filter(train.select_columns(["input_ids", "loss_mask"]), args.max_length)
+    if evaluation is not None:
+        evaluation = truncate_and_filter(evaluation.select_columns(["input_ids", "loss_mask"]), args.max_length)
+    if args.offline:
+        dtype = getattr(torch, args.offline_dtype)
+        train = OfflineDataset(train, prepare_features(target, train, layer_ids, cache_root, dtype))
+        if evaluation is not None:
+            evaluation = OfflineDataset(evaluation, prepare_features(target, evaluation, layer_ids, cache_root, dtype))
+    return train, evaluation

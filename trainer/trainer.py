@@ -1,0 +1,148 @@
+"""`DFlash2Trainer`: HF `Trainer` with the DFlash2 objective, exact pooling and draft-only saves.
+
+Exact gradient accumulation. The loss of an optimizer step is `sum(numerators) / sum(denominators)`
+over every micro-batch of the step on every rank. The denominator depends only on the sampled
+anchors and the loss mask (`loss_denominator`), so `get_batch_samples` draws the anchors of all
+micro-batches of the step up front, sums their denominators, all-reduces that sum, and
+`compute_loss` returns `numerator * world_size / global_denominator`: summed over micro-batches by
+backward and averaged over ranks by DDP/FSDP, that is exactly the pooled loss's gradient. Hence
+`loss_is_scaled_for_ga = True` and no `labels` key (hf-integration.md §3).
+
+Metrics are additive (numerator, denominator) pairs kept per mode and reduced across processes in
+`log()`, so `tau_walk` in training and `eval_tau_walk` in evaluation are pooled exactly too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from modeling_dflash2 import DFlashDraftModel
+from trainer.arguments import DFlashTrainingArguments
+from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.metrics import MetricTerms, add_terms
+from trainer.objective import (
+    ObjectiveResult,
+    configure_selector_training,
+    draft_objective,
+    loss_denominator,
+    selector_alpha_at,
+)
+from trainer.target import FrozenTarget
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_KEYS = ("anchors", "anchor_keep", "loss_denominator")
+
+
+class DFlash2Trainer(Trainer):
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, model: DFlashDraftModel, args: DFlashTrainingArguments, target: FrozenTarget, **kwargs: Any):
+        if not isinstance(args, DFlashTrainingArguments):
+            raise TypeError("DFlash2Trainer needs DFlashTrainingArguments (objective settings live there).")
+        self.objective = args.objective_config()
+        configure_selector_training(model, self.objective)
+        target.check_draft(model.dflash, model.config)
+        super().__init__(model=model, args=args, **kwargs)
+        self.target = target
+        self.target.model.to(self.args.device)
+        self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
+        self._selector_alpha: float | None = None
+
+    # -- data: anchors and the global denominator of each optimizer step ------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batch_samples:
+            return batch_samples, None
+        draft = self.accelerator.unwrap_model(self.model)
+        draw = AnchorDraw(seed=self.args.seed, step=self.state.global_step, rank=self.args.process_index)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for micro_index, batch in enumerate(batch_samples):
+            loss_mask = batch["loss_mask"]
+            rows = loss_mask.shape[0]
+            row_ids = micro_index * self.args.per_device_train_batch_size + torch.arange(rows)
+            anchors, keep = sample_anchors(loss_mask, self.objective.num_anchors, draw, row_ids)
+            blocks = build_blocks(
+                batch["input_ids"], loss_mask, anchors, keep, draft.dflash.block_size, draft.dflash.mask_token_id
+            )
+            batch["anchors"], batch["anchor_keep"] = anchors, keep
+            total = total + loss_denominator(blocks.weights, self.objective).to(device)
+        total = self.accelerator.reduce(total, reduction="sum")
+        for batch in batch_samples:
+            batch["loss_denominator"] = total
+        return batch_samples, None
+
+    # -- loss -----------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        draft = self.accelerator.unwrap_model(model)
+        result = self._objective(model, draft, inputs)
+        mode = "train" if model.training else "eval"
+        add_terms(self._metric_sums[mode], {k: (n.detach(), d.detach()) for k, (n, d) in result.terms.items()})
+        if model.training and "loss_denominator" in inputs:
+            denominator = inputs["loss_denominator"]
+            loss = result.numerator * self.accelerator.num_processes / denominator.clamp(min=1e-12)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite DFlash2 loss at step {self.state.global_step}: {loss.item()}")
+        else:
+            loss = result.loss
+        return (loss, None) if return_outputs else loss
+
+    def _objective(self, model, draft: DFlashDraftModel, inputs: dict[str, Any]) -> ObjectiveResult:
+        input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
+        target_hidden = inputs.get("target_hidden")
+        if target_hidden is None:
+            target_hidden = self.target.capture(input_ids, inputs.get("attention_mask"), draft.target_layer_ids)
+        dtype = next(draft.parameters()).dtype
+        anchors = (inputs["anchors"], inputs["anchor_keep"]) if "anchors" in inputs else None
+        alpha = self.objective.selector_alpha
+        if model.training:
+            alpha = selector_alpha_at(self.state.global_step, self.state.max_steps, self.objective)
+            self._selector_alpha = alpha
+        return draft_objective(
+            draft,
+            input_ids,
+            loss_mask,
+            target_hidden.to(dtype),
+            self.target.embedding_weight,
+            self.target.lm_head,
+            self.objective,
+            draw=None,  # evaluation: every valid position, in order
+            alpha=alpha,
+            anchors=anchors,
+            forward_module=model,
+        )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # -- logging --------------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the pooled metrics: `name` in training logs, `eval_name` next to `eval_loss`."""
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        sums = self._metric_sums[mode]
+        if sums:
+            names = sorted(sums)
+            stacked = torch.stack([torch.stack([sums[name][0], sums[name][1]]).float() for name in names])
+            stacked = self.accelerator.reduce(stacked.to(self.args.device), reduction="sum")
+            prefix = "eval_" if mode == "eval" else ""
+            for name, (numerator, denominator) in zip(names, stacked.tolist(), strict=True):
+                if denominator > 0:
+                    logs[f"{prefix}{name}"] = numerator / denominator
+            sums.clear()
+        if mode == "train" and self._selector_alpha is not None and draft_has_selector(self.model):
+            logs["selector_alpha"] = self._selector_alpha
+        super().log(logs, start_time)
+
+
+def draft_has_selector(model) -> bool:
+    return getattr(model, "candidate_selector", None) is not None
