@@ -30,7 +30,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/train.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info

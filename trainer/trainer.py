@@ -124,6 +124,26 @@ class DFlash2Trainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every save writes the publishable draft: config.json, model.safetensors, the two modeling
+        files and a correct auto_map. Under FSDP the full state dict is gathered by every rank
+        (fresh CPU copies) and written by rank 0, whatever `fsdp_state_dict_type` the resume files use."""
+        if not self.is_fsdp_enabled:
+            super().save_model(output_dir, _internal_call)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        output_dir = output_dir or self.args.output_dir
+        state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.args.should_save:
+            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state_dict)
+            torch.save(self.args, f"{output_dir}/training_args.bin")
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     # -- logging --------------------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

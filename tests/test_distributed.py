@@ -1,0 +1,82 @@
+"""Two processes on CPU (gloo): a tiny recipe end to end under DDP, and accelerate's FSDP2 path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.tiny_setup import write_tiny_run
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFT_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
+AUTO_MAP = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "modeling_dflash2.DFlash2DraftModel"}
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+
+def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def assert_draft_directory(directory: Path, extra: set[str] = frozenset()) -> None:
+    files = {p.name for p in directory.iterdir()}
+    assert files >= DRAFT_FILES, files
+    assert not any(name.endswith(".py") and name not in DRAFT_FILES for name in files), files
+    assert files - DRAFT_FILES <= extra | {"training_args.bin", "demo_summary.json", "runs"}, files
+    config = json.loads((directory / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["DFlash2DraftModel"]
+
+
+def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
+    recipe = write_tiny_run(tmp_path)
+    torchrun(str(REPO / "examples" / "train.py"), str(recipe), cwd=tmp_path)
+    output = tmp_path / "output"
+    resume_files = {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"}
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        assert_draft_directory(output / checkpoint, extra=resume_files)
+    assert_draft_directory(output)
+    state = json.loads((output / "checkpoint-4" / "trainer_state.json").read_text())
+    train_logs = [log for log in state["log_history"] if "loss" in log and "eval_loss" not in log]
+    assert len(train_logs) == 4 and all("tau_walk" in log and "coverage" in log for log in train_logs)
+    summary = json.loads((output / "demo_summary.json").read_text())
+    assert summary["trained"]["eval_tau_walk"] >= 1.0
+
+
+def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
+    torchrun(str(REPO / "tests" / "distributed" / "fsdp2_cpu.py"), str(tmp_path), cwd=tmp_path)
+    output = tmp_path / "output"
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        directory = output / checkpoint
+        assert (directory / "pytorch_model_fsdp_0").is_dir()  # the FSDP2 resume files exist: FSDP really ran
+        assert_draft_directory(
+            directory,
+            extra={
+                "pytorch_model_fsdp_0",
+                "optimizer_0",
+                "scheduler.pt",
+                "trainer_state.json",
+                "rng_state_0.pth",
+                "rng_state_1.pth",
+            },
+        )
+    assert_draft_directory(output)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert "eval_tau_walk" in metrics and "eval_coverage" in metrics
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(output, trust_remote_code=True)
+    assert type(model).__name__ == "DFlash2DraftModel"
+    saved = load_file(output / "model.safetensors")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
