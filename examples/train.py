@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     target.check_draft(draft.dflash, draft.config)
     with training_args.main_process_first(desc="building datasets"):
         train_dataset, eval_dataset = build_datasets(data_args, target, draft.target_layer_ids)
+    # The untrained baseline comes from an evaluation at step 0 inside the training loop (an
+    # evaluate() before train() cannot prepare an FSDP2 model without its optimizer).
+    training_args.eval_on_start = eval_dataset is not None
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = DFlash2Trainer(
@@ -56,10 +59,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=eval_dataset,
         data_collator=DFlashCollator(pad_id),
     )
-    before = trainer.evaluate() if eval_dataset is not None else {}
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     after = trainer.evaluate() if eval_dataset is not None else {}
+    evaluations = [log for log in trainer.state.log_history if "eval_loss" in log]
+    before = evaluations[0] if evaluations and evaluations[0].get("step") == 0 else {}
     if trainer.is_world_process_zero():
         summary = {
             "checkpoint": str(Path(training_args.output_dir).resolve()),

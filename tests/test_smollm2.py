@@ -42,8 +42,11 @@ def test_loads_frozen_and_answers_like_smollm2(smollm2, draft_config):
     assert smollm2.tokenizer.convert_ids_to_tokens(16) == "<empty_output>"
     smollm2.check_draft(draft_config.dflash_settings, draft_config)
     prompt = smollm2.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
-    )
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     output = smollm2.model.generate(prompt, max_new_tokens=10, do_sample=False)
     assert smollm2.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).startswith(
         "The capital of France is Paris."
