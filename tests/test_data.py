@@ -116,6 +116,15 @@ def test_regenerated_responses_are_the_targets_own_greedy_tokens(target, tmp_pat
         regenerate(target, prompts, GenerationSettings(max_new_tokens=5, batch_size=2), tmp_path)
 
 
+def test_sampled_regeneration_is_seeded_and_differs_from_greedy(target, tmp_path):
+    prompts = [prompt_conversation(p) for p in ["hi", "hello how are you", "tell me about music"]]
+    sampled = GenerationSettings(max_new_tokens=8, temperature=1.5, batch_size=2, seed=7)
+    first = regenerate(target, prompts, sampled, tmp_path / "a")["input_ids"]
+    assert regenerate(target, prompts, sampled, tmp_path / "b")["input_ids"] == first
+    greedy = regenerate(target, prompts, GenerationSettings(max_new_tokens=8, batch_size=2), tmp_path / "c")
+    assert greedy["input_ids"] != first
+
+
 def test_long_prompts_are_skipped(target, tmp_path, caplog):
     prompts = [prompt_conversation("hi"), prompt_conversation(" ".join(["hello"] * 50))]
     dataset = regenerate(target, prompts, GenerationSettings(max_new_tokens=2, max_prompt_length=20), tmp_path)
