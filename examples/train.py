@@ -19,6 +19,7 @@ from trainer.arguments import parse_arguments
 from trainer.data import DFlashCollator, build_datasets
 from trainer.target import FrozenTarget
 from trainer.trainer import DFlash2Trainer
+from trainer.warm_start import warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
@@ -31,6 +32,39 @@ def resolve_path(path: str) -> Path:
     return candidate if candidate.exists() or candidate.is_absolute() else REPO / candidate
 
 
+def build_draft(model_args):
+    """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
+    if model_args.draft_config:
+        config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
+    elif model_args.init_from:
+        config = DFlash2Config.from_pretrained(model_args.init_from)
+        if not config.is_dflash2:
+            raise ValueError("init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules.")
+    else:
+        raise ValueError("draft_config is required (or init_from a DFlash2 checkpoint).")
+    config._attn_implementation = model_args.attn_implementation
+    if model_args.init_from:
+        draft = warm_start(
+            model_args.init_from, config, allow_block_size_change=model_args.init_allow_block_size_change
+        )
+    else:
+        draft = DFlash2DraftModel(config)
+    if model_args.lora_r > 0:
+        if not model_args.init_from:
+            raise ValueError("lora_r > 0 fine-tunes a warm-started draft: set init_from.")
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules,
+            task_type=None,
+        )
+        draft = get_peft_model(draft, lora)
+    return draft
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DEFAULT_RECIPE)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -40,9 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     target = FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
     )
-    config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
-    config._attn_implementation = model_args.attn_implementation
-    draft = DFlash2DraftModel(config)
+    draft = build_draft(model_args)
     target.check_draft(draft.dflash, draft.config)
     with training_args.main_process_first(desc="building datasets"):
         train_dataset, eval_dataset = build_datasets(data_args, target, draft.target_layer_ids)
@@ -55,13 +87,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model=draft,
         args=training_args,
         target=target,
+        target_hub_id=model_args.target_hub_id,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DFlashCollator(pad_id),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model()
     after = trainer.evaluate() if eval_dataset is not None else {}
+    trainer.save_model()  # after the final evaluation, so a push carries its numbers
+    trainer.save_state()
     evaluations = [log for log in trainer.state.log_history if "eval_loss" in log]
     before = evaluations[0] if evaluations and evaluations[0].get("step") == 0 else {}
     if trainer.is_world_process_zero():

@@ -33,7 +33,9 @@ def assert_draft_directory(directory: Path, extra: set[str] = frozenset()) -> No
     files = {p.name for p in directory.iterdir() if not p.name.startswith("checkpoint-")}
     assert files >= DRAFT_FILES, files
     assert not any(name.endswith(".py") and name not in DRAFT_FILES for name in files), files
-    assert files - DRAFT_FILES <= extra | {"training_args.bin", "demo_summary.json", "runs"}, files
+    assert files - DRAFT_FILES <= extra | {"training_args.bin", "trainer_state.json", "demo_summary.json", "runs"}, (
+        files
+    )
     config = json.loads((directory / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["DFlash2DraftModel"]
 

@@ -22,11 +22,27 @@ class ModelArguments:
     target: str = field(
         metadata={"help": "Target model: local dir, Hub id, a dir holding `target_gguf_file`, or pypi:<distribution>."}
     )
-    draft_config: str = field(metadata={"help": "Draft config JSON (see hub_configs/)."})
+    draft_config: str | None = field(
+        default=None, metadata={"help": "Draft config JSON (see hub_configs/); optional with a DFlash2 init_from."}
+    )
     target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside `target`."})
+    target_hub_id: str | None = field(
+        default=None, metadata={"help": "The target's Hub id, recorded as base_model in the exported model card."}
+    )
     target_dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa | eager | flex_attention"})
-    init_from: str | None = field(default=None, metadata={"help": "Warm-start checkpoint (dir or Hub id)."})
+    init_from: str | None = field(
+        default=None, metadata={"help": "Warm start: a z-lab DFlash2 or DFlash v1 draft, or a dflash2-hub checkpoint."}
+    )
+    init_allow_block_size_change: bool = field(
+        default=False, metadata={"help": "Allow init_from to have a different block size than the draft config."}
+    )
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank on the draft's linear layers (0 = full fine-tuning)."})
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @dataclass

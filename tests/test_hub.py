@@ -1,0 +1,156 @@
+"""Publishing end to end with huggingface_hub's own client against a loopback Hub server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_dflash2 import DFlash2DraftModel
+from tests.conftest import randomize
+from tests.distributed.tiny_setup import write_tiny_run
+from tests.hub_server import LoopbackHub
+from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.export import TargetDimensions, export_draft
+from trainer.hub import check_export_folder
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "hf_TESTtoken_0123456789abcdef"
+
+
+def run_client(script: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """huggingface_hub reads its endpoint at import: run the client in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(
+        HF_ENDPOINT=hub.endpoint,
+        HF_TOKEN=TOKEN,
+        HF_HOME=str(tmp_path / "client_home"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_XET="1",
+        NO_PROXY="127.0.0.1,localhost",
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+    )
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+PUSH = """
+import sys
+from trainer.hub import publish
+commit = publish(sys.argv[1], sys.argv[2], private=True)
+print(commit.oid)
+"""
+
+DOWNLOAD_AND_RUN = """
+import sys, torch
+from huggingface_hub import snapshot_download
+from transformers import AutoModel
+files = sorted(p.name for p in __import__("pathlib").Path(snapshot_download(sys.argv[1])).iterdir())
+print(files)
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16).eval()
+assert type(model).__name__ == "DFlash2DraftModel", type(model)
+inputs = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model.compute_logits(model(**inputs["forward"]), inputs["head"]), sys.argv[3])
+"""
+
+
+@pytest.fixture
+def exported(tmp_path):
+    target = tiny_target()
+    draft = randomize(DFlash2DraftModel(tiny_draft_config_for(target)), seed=0)
+    dims = TargetDimensions("org/tiny-target", target.hidden_size, target.vocab_rows, target.num_layers)
+    return draft, export_draft(draft, tmp_path / "export", target=dims)
+
+
+def _inputs(tmp_path: Path) -> Path:
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "forward": {
+            "position_ids": torch.arange(9)[None],
+            "noise_embedding": torch.randn(1, 4, 32, generator=generator).to(torch.bfloat16),
+            "target_hidden": torch.randn(1, 5, 64, generator=generator).to(torch.bfloat16),
+        },
+        "head": torch.randn(53, 32, generator=generator).to(torch.bfloat16),
+    }
+    torch.save(inputs, tmp_path / "inputs.pt")
+    return tmp_path / "inputs.pt"
+
+
+def test_push_then_snapshot_download_and_automodel_reproduce_the_logits(tmp_path, exported):
+    draft, folder = exported
+    with LoopbackHub() as hub:
+        result = run_client(PUSH, hub, tmp_path, str(folder), "org/draft")
+        assert result.returncode == 0, result.stderr[-3000:]
+        repo = hub.state.repos["org/draft"]
+        assert repo.private and len(repo.commits) == 1  # one commit for the whole folder
+        assert set(repo.files) == {p.name for p in folder.iterdir()}
+        result = run_client(DOWNLOAD_AND_RUN, hub, tmp_path, "org/draft", str(_inputs(tmp_path)), "logits.pt")
+        assert result.returncode == 0, result.stderr[-3000:]
+    inputs = torch.load(tmp_path / "inputs.pt")
+    reference = draft.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = reference.compute_logits(reference(**inputs["forward"]), inputs["head"])
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    assert all(auth == f"Bearer {TOKEN}" for auth in hub.state.authorizations)
+
+
+def test_a_failed_push_leaves_no_partial_revision_and_a_retry_succeeds(tmp_path, exported):
+    _, folder = exported
+    with LoopbackHub() as hub:
+        hub.state.fail_next_commit = True
+        failed = run_client(PUSH, hub, tmp_path, str(folder), "org/draft")
+        assert failed.returncode != 0
+        repo = hub.state.repos["org/draft"]
+        assert repo.sha is None and repo.files == {}
+        retried = run_client(PUSH, hub, tmp_path, str(folder), "org/draft")
+        assert retried.returncode == 0, retried.stderr[-3000:]
+        assert set(repo.files) == {p.name for p in folder.iterdir()} and len(repo.commits) == 1
+
+
+def test_raw_checkpoints_are_never_published(tmp_path):
+    draft = DFlash2DraftModel(tiny_draft_config_for(tiny_target()))
+    draft.save_pretrained(tmp_path / "checkpoint")
+    torch.save({}, tmp_path / "checkpoint" / "optimizer.pt")
+    with pytest.raises(ValueError, match="not an export folder"):
+        check_export_folder(tmp_path / "checkpoint")
+
+
+TRAIN_AND_PUSH = """
+import sys
+from examples.train import main
+main([sys.argv[1], "--push_to_hub", "true", "--hub_model_id", "org/trained", "--hub_strategy", "every_save",
+      "--hub_token", sys.argv[2]])
+"""
+
+
+def test_training_pushes_exports_and_no_file_holds_the_token(tmp_path):
+    recipe = write_tiny_run(tmp_path, target_hub_id="org/tiny-target", save_steps=2)
+    with LoopbackHub() as hub:
+        result = run_client(TRAIN_AND_PUSH, hub, tmp_path, str(recipe), TOKEN)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        repo = hub.state.repos["org/trained"]
+        assert len(repo.commits) == 3  # checkpoint-2, checkpoint-4, end of training: one commit each
+        check_files = {"config.json", "model.safetensors", "README.md", "dflash2_provenance.json"}
+        assert check_files <= set(repo.files) and "optimizer.pt" not in repo.files
+        assert b"base_model: org/tiny-target" in repo.files["README.md"]
+        pushed = list(repo.files.values())
+        assert any(auth == f"Bearer {TOKEN}" for auth in hub.state.authorizations)
+    secret = TOKEN.encode()
+    assert not any(secret in content for content in pushed)
+    written = [path for path in (tmp_path / "output").rglob("*") if path.is_file()]
+    assert any(path.name == "training_args.bin" for path in written)
+    leaks = [str(path) for path in written if secret in path.read_bytes()]
+    assert leaks == []

@@ -1,0 +1,139 @@
+"""Warm starts from checkpoints built in the exact published layouts (z-lab DFlash2, z-lab v1, ours)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from modeling_dflash2 import DFlashDraftModel
+from tests.conftest import draft_inputs, randomize
+from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.warm_start import warm_start
+
+IGNORED = ("auto_map", "transformers_version", "_name_or_path")
+
+
+@pytest.fixture(scope="module")
+def recipe_config():
+    return tiny_draft_config_for(tiny_target())
+
+
+def zlab_dflash2_dir(directory: Path, recipe_config, seed=0, weight_spelled=False) -> dict[str, torch.Tensor]:
+    """As z-lab publishes DFlash2: no auto_map, nested dflash_config, BF16, bare codebook names
+    (or, as z-lab's reference save writes them, `.weight`-suffixed)."""
+    from modeling_dflash2 import DFlash2DraftModel
+
+    directory.mkdir(parents=True)
+    model = randomize(DFlash2DraftModel(recipe_config), seed).to(torch.bfloat16)
+    config = {k: v for k, v in recipe_config.to_dict().items() if k not in IGNORED}
+    config["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if weight_spelled:
+        for side in ("predecessor", "successor"):
+            tensors[f"candidate_selector.{side}_codebook.weight"] = tensors.pop(f"candidate_selector.{side}_codebook")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def zlab_v1_dir(directory: Path, recipe_config, seed=1) -> DFlashDraftModel:
+    """As z-lab publishes DFlash v1: auto_map to dflash.py, top-level block_size and rope_theta."""
+    directory.mkdir(parents=True)
+    config = {k: v for k, v in recipe_config.to_dict().items() if k not in IGNORED}
+    dfc = config.pop("dflash_config")
+    config.update(
+        architectures=["DFlashDraftModel"],
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=dfc["block_size"],
+        dflash_config={"mask_token_id": dfc["mask_token_id"], "target_layer_ids": dfc["target_layer_ids"]},
+        rope_theta=config.pop("rope_parameters")["rope_theta"],
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "dflash.py").write_text("# z-lab remote code (not used by this loader)\n")
+    from modeling_dflash2 import DFlash2Config
+
+    v1 = randomize(DFlashDraftModel(DFlash2Config(**config)), seed).eval()
+    save_file({k: v.contiguous() for k, v in v1.state_dict().items()}, directory / "model.safetensors")
+    assert len(v1.state_dict()) == 11 * recipe_config.num_hidden_layers + 3
+    return v1
+
+
+@pytest.mark.parametrize("weight_spelled", [False, True])
+def test_zlab_dflash2_layouts_load_every_tensor(tmp_path, recipe_config, weight_spelled):
+    expected = zlab_dflash2_dir(tmp_path / "zlab", recipe_config, weight_spelled=weight_spelled)
+    model = warm_start(tmp_path / "zlab", recipe_config)
+    assert type(model).__name__ == "DFlash2DraftModel"
+    for name, tensor in expected.items():
+        assert torch.equal(model.state_dict()[name], tensor.float()), name
+
+
+def test_v1_warm_start_reproduces_the_v1_logits_at_step_0(tmp_path, recipe_config):
+    v1 = zlab_v1_dir(tmp_path / "v1", recipe_config)
+    model = warm_start(tmp_path / "v1", recipe_config).eval()
+    inputs = draft_inputs(recipe_config, batch=2, context=5, blocks=2)
+    head = torch.randn(recipe_config.vocab_size, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden, v1_hidden = model(**inputs), v1(**inputs)
+        assert torch.equal(model.compute_logits(hidden, head), v1.compute_logits(v1_hidden, head))
+        tokens, _, _ = model.propose(hidden[:, 1:4], torch.tensor([3, 4]), head)
+        assert torch.equal(tokens, v1.compute_logits(v1_hidden, head)[:, 1:4].argmax(-1))
+
+
+def test_own_checkpoint_warm_starts(tmp_path, recipe_config):
+    from modeling_dflash2 import DFlash2DraftModel
+
+    ours = randomize(DFlash2DraftModel(recipe_config), 3)
+    ours.save_pretrained(tmp_path / "ours")
+    model = warm_start(tmp_path / "ours", recipe_config)
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("dflash", "overrides", "message"),
+    [
+        ({"mask_token_id": 5}, {}, "mask_token_id=3 but the recipe's draft config has 5"),
+        ({"target_layer_ids": [0, 3]}, {}, r"target_layer_ids=\(1, 2\) but the recipe's draft config has \(0, 3\)"),
+        (None, {"hidden_size": 64, "intermediate_size": 64}, "hidden_size=32 but the recipe's draft config has 64"),
+        ({"selector_rank": 4}, {}, "selector_rank=8 but the recipe's draft config has 4"),
+        ({"block_size": 8}, {}, "block_size=4 but the recipe's draft config has 8; set init_allow_block_size_change"),
+    ],
+)
+def test_config_disagreements_are_refused_by_field(tmp_path, recipe_config, dflash, overrides, message):
+    zlab_dflash2_dir(tmp_path / "zlab", recipe_config)
+    other = tiny_draft_config_for(tiny_target(), dflash, **overrides)
+    with pytest.raises(ValueError, match=message):
+        warm_start(tmp_path / "zlab", other)
+
+
+def test_block_size_change_only_when_the_recipe_says_so(tmp_path, recipe_config):
+    zlab_dflash2_dir(tmp_path / "zlab", recipe_config)
+    larger = tiny_draft_config_for(tiny_target(), {"block_size": 8})
+    model = warm_start(tmp_path / "zlab", larger, allow_block_size_change=True)
+    assert model.block_size == 8
+
+
+def _rewrite(directory: Path, edit) -> None:
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("layers.0.mlp.up_proj.weight"), r"lacks tensors: \['layers.0.mlp.up_proj.weight'\]"),
+        (lambda t: t.update({"lm_head.weight": torch.zeros(2, 2)}), r"does not define: \['lm_head.weight'\]"),
+        (lambda t: t.update({"norm.weight": torch.zeros(16)}), r"wrong shape.*norm\.weight"),
+        (lambda t: t.pop("layers.0.attention_conv.base_kernel"), "only part of the DFlash2 modules"),
+    ],
+)
+def test_key_problems_are_refused_naming_the_keys(tmp_path, recipe_config, edit, message):
+    zlab_dflash2_dir(tmp_path / "zlab", recipe_config)
+    _rewrite(tmp_path / "zlab", edit)
+    with pytest.raises(ValueError, match=message):
+        warm_start(tmp_path / "zlab", recipe_config)

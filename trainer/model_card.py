@@ -1,0 +1,153 @@
+"""The exported draft's model card (README.md) and its per-position acceptance plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+TAGS = ["speculative-decoding", "dflash", "dflash2", "draft-model", "block-diffusion"]
+EVAL_ROWS = (
+    ("eval_tau_walk", "τ, selector walk (teacher-forced acceptance length; what serving proposes)"),
+    ("eval_tau_unary", "τ, unary argmax (teacher-forced)"),
+    ("eval_tau_oracle", "τ, top-K oracle (ceiling)"),
+    ("eval_accuracy", "top-1 accuracy"),
+    ("eval_coverage", "top-K coverage"),
+    ("eval_selector_lift", "selector lift over unary (covered slots)"),
+    ("eval_loss", "loss"),
+)
+
+
+def per_position_series(evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> dict[str, list[float]]:
+    """Curves to plot: teacher-forced per-position accuracy, and real acceptance when measured."""
+    series: dict[str, list[float]] = {}
+    if evaluation:
+        positions = sorted(
+            int(key.rsplit("_", 1)[1]) for key in evaluation if key.startswith("eval_accuracy_position_")
+        )
+        if positions:
+            series["teacher-forced accuracy"] = [evaluation[f"eval_accuracy_position_{k}"] for k in positions]
+    for path, result in (report or {}).get("paths", {}).items():
+        if result.get("per_position_acceptance"):
+            series[f"speculative decoding, {path}"] = result["per_position_acceptance"]
+    return series
+
+
+def save_acceptance_plot(path: Path, evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> bool:
+    """Write the per-position plot PNG; False when there is nothing measured to plot."""
+    series = per_position_series(evaluation, report)
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for label, values in series.items():
+        axis.plot(range(1, len(values) + 1), values, marker="o", label=label)
+    axis.set_xlabel("draft position in the block")
+    axis.set_ylabel("rate")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title("Per-position acceptance")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def _evaluation_table(evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> str:
+    lines = []
+    if evaluation:
+        lines += ["| held-out metric (teacher-forced) | value |", "|---|---|"]
+        lines += [f"| {label} | {evaluation[key]:.4f} |" for key, label in EVAL_ROWS if key in evaluation]
+    if report and report.get("paths"):
+        lines += ["", "| speculative decoding with the target | mean τ | tokens/s | speed-up |", "|---|---|---|---|"]
+        for name, result in report["paths"].items():
+            lines.append(
+                f"| {name} | {result.get('mean_tau', float('nan')):.3f} | "
+                f"{result.get('tokens_per_second', float('nan')):.1f} | {result.get('speedup', float('nan')):.2f}× |"
+            )
+        if "target_tokens_per_second" in report:
+            lines.append(f"| target alone | 1.000 | {report['target_tokens_per_second']:.1f} | 1.00× |")
+    return "\n".join(lines) if lines else "No evaluation was recorded with this checkpoint."
+
+
+def render_model_card(
+    config: dict[str, Any],
+    target: Any,
+    record: dict[str, Any],
+    report: dict[str, Any] | None,
+    plot_file: str | None,
+    license: str = "apache-2.0",
+) -> ModelCard:
+    dfc = config["dflash_config"]
+    block = dfc["block_size"]
+    base = target.name if target is not None else None
+    base_model = base if base and not base.startswith(("pypi:", "/", ".")) else None
+    data = ModelCardData(
+        library_name="transformers",
+        base_model=base_model,
+        license=license,
+        pipeline_tag="text-generation",
+        tags=TAGS,
+    )
+    training = record.get("training_arguments", {})
+    plot = f"\n![per-position acceptance]({plot_file})\n" if plot_file else ""
+    causal = str(config["is_causal"]).lower()
+    body = f"""
+# DFlash2 draft for {base or "its target"}
+
+A [DFlash2](https://github.com/z-lab/dflash) speculative-decoding draft: it proposes a block of
+{block - 1} tokens per step for the target model, which verifies them. It uses the target's embedding and
+LM head, so this repository holds only the draft's own weights.
+
+- block size: {block}; mask token id: {dfc["mask_token_id"]}; target layers: {dfc["target_layer_ids"]}
+- selector: rank {dfc["selector_rank"]}, top-{dfc["selector_top_k"]}
+- convolution: kernel {dfc["conv_kernel_size"]}, group {dfc["conv_group_size"]}
+- {config["num_hidden_layers"]} layers, hidden size {config["hidden_size"]}, `is_causal: {causal}`
+
+## Serving
+
+vLLM (V2 model runner):
+
+```bash
+vllm serve {base or "<target>"} \\
+    --speculative-config '{{"method": "dflash", "model": "<this repo>", "num_speculative_tokens": {block - 1}}}'
+```
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {base or "<target>"} --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path <this repo> --speculative-num-draft-tokens {block}
+```
+
+Serve with the trained block size ({block}); a DFlash2 draft must not draft fewer tokens.
+
+## Loading with transformers
+
+```python
+from transformers import AutoModel
+
+draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
+assert type(draft).__name__ == "DFlash2DraftModel"  # without trust_remote_code you get a random Qwen3Model
+```
+
+## Training
+
+Trained with dflash2-hub for {record.get("global_step", "an unrecorded number of")} steps
+(learning rate {training.get("learning_rate", "n/a")}, {training.get("num_anchors", "n/a")} anchors per sequence,
+loss `{training.get("loss_type", "n/a")}`, selector α {training.get("selector_alpha", "n/a")}).
+The full recipe and library versions are in `dflash2_provenance.json`.
+
+## Evaluation
+
+{_evaluation_table(record.get("evaluation"), report)}
+{plot}
+τ is the mean acceptance length per block including the target's bonus token.
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
