@@ -113,3 +113,24 @@ def test_a_few_training_steps_lower_the_loss(smollm2, draft_config, tmp_path):
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 8
     assert losses[-1] < 0.6 * losses[0]
+
+
+def test_greedy_speculative_decoding_is_lossless_on_smollm2(smollm2, draft_config, monkeypatch):
+    from tests.test_speculative import OracleProposals
+    from trainer import speculative
+    from trainer.speculative import spec_generate
+
+    torch.manual_seed(0)
+    draft = DFlash2DraftModel(draft_config).eval()
+    model = smollm2.model
+    for question in ("What is the capital of France?", "Tell me about cats."):
+        prompt = smollm2.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)
+        greedy = reference[0, len(prompt) :].tolist()
+        assert spec_generate(model, draft, torch.tensor([prompt]), 16).tokens == greedy
+    # partial acceptance through the real model's caches: every step accepts exactly 3 proposals
+    monkeypatch.setattr(speculative, "_propose", OracleProposals(greedy + [0] * 16, 3))
+    result = spec_generate(model, draft, torch.tensor([prompt]), 16)
+    assert result.tokens == greedy and result.acceptance_lengths[:3] == [4, 4, 4]

@@ -78,6 +78,10 @@ class DataArguments:
 @dataclass
 class DFlashTrainingArguments(TrainingArguments):
     num_anchors: int = field(default=512, metadata={"help": "Anchor (block) slots per sequence."})
+    eval_num_anchors: int | None = field(
+        default=None,
+        metadata={"help": "Evaluation anchors per sequence, taken in order; unset: every valid position."},
+    )
     loss_type: str = field(default="ce", metadata={"help": "ce | dpace"})
     gamma: float | None = field(default=None, metadata={"help": "Decay; unset: 7 for B=16, 4 for B=8; 0: off."})
     dpace_alpha: float = 0.5
@@ -88,6 +92,10 @@ class DFlashTrainingArguments(TrainingArguments):
     selector_ramp_ratio: float = 0.0
     selector_gold: str = field(default="skip", metadata={"help": "skip | insert"})
     selector_stop_gradient: bool = False
+    spec_eval_prompts: int = field(
+        default=0, metadata={"help": "Held-out prompts decoded for real at each evaluation (eval_spec_tau); 0 = off."}
+    )
+    spec_eval_max_new_tokens: int = 32
     remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False: batches carry masks."})
 
     def __post_init__(self):

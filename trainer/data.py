@@ -78,7 +78,7 @@ def _render(tokenizer, messages, add_generation_prompt: bool, extra: dict[str, A
     )
 
 
-def _end_of_turn_ids(tokenizer) -> set[int]:
+def end_of_turn_ids(tokenizer) -> set[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -109,7 +109,7 @@ def tokenize_chat(
         return {"input_ids": list(rendered["input_ids"]), "loss_mask": list(rendered["assistant_masks"])}
     input_ids = _render(tokenizer, messages, False, extra)
     loss_mask = [0] * len(input_ids)
-    end_of_turn = _end_of_turn_ids(tokenizer)
+    end_of_turn = end_of_turn_ids(tokenizer)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -215,7 +215,7 @@ def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: Ge
         generator_kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
     else:
         generator_kwargs.update(temperature=None, top_p=None, top_k=None)
-    end_of_turn = sorted(_end_of_turn_ids(tokenizer))
+    end_of_turn = sorted(end_of_turn_ids(tokenizer))
     output = target.model.generate(
         input_ids=input_ids.to(target.device),
         attention_mask=attention_mask.to(target.device),

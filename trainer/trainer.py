@@ -27,6 +27,8 @@ from transformers import Trainer
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import DFlashTrainingArguments
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.data import end_of_turn_ids
+from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
 from trainer.export import TargetDimensions, export_draft
 from trainer.hub import PushExportOnSaveCallback, publish
 from trainer.metrics import MetricTerms, add_terms
@@ -70,6 +72,11 @@ class DFlash2Trainer(Trainer):
         self._selector_alpha: float | None = None
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.add_callback(PushExportOnSaveCallback(self))
+        if self.args.spec_eval_prompts > 0 and self.eval_dataset is not None:
+            count = min(self.args.spec_eval_prompts, len(self.eval_dataset))
+            prompts = [prompt_ids(self.eval_dataset[i]) for i in range(count)]
+            stops = sorted(end_of_turn_ids(target.tokenizer)) if target.tokenizer is not None else None
+            self.add_callback(SpeculativeEvalCallback(self, prompts, self.args.spec_eval_max_new_tokens, stops))
 
     # -- data: anchors and the global denominator of each optimizer step ------------------------
 
@@ -117,7 +124,11 @@ class DFlash2Trainer(Trainer):
         if target_hidden is None:
             target_hidden = self.target.capture(input_ids, inputs.get("attention_mask"), draft.target_layer_ids)
         dtype = next(draft.parameters()).dtype
-        anchors = (inputs["anchors"], inputs["anchor_keep"]) if "anchors" in inputs else None
+        if "anchors" in inputs:
+            anchors = (inputs["anchors"], inputs["anchor_keep"])
+        else:  # evaluation: deterministic anchors, by default at every valid position
+            count = self.args.eval_num_anchors or loss_mask.shape[1]
+            anchors = sample_anchors(loss_mask, count, draw=None)
         alpha = self.objective.selector_alpha
         if model.training:
             alpha = selector_alpha_at(self.state.global_step, self.state.max_steps, self.objective)
@@ -130,7 +141,7 @@ class DFlash2Trainer(Trainer):
             self.target.embedding_weight,
             self.target.lm_head,
             self.objective,
-            draw=None,  # evaluation: every valid position, in order
+            draw=None,
             alpha=alpha,
             anchors=anchors,
             forward_module=model,

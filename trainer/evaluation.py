@@ -1,0 +1,159 @@
+"""Real speculative-decoding evaluation: mean τ, τ histogram, per-position acceptance, speed-up.
+
+A path is a draft plus a proposal mode (`selector`: the DFlash2 selector walk; `unary`: the unary
+argmax / sample). Every path decodes the same prompts as the target alone; at temperature 0 the
+report also says whether every path reproduced the target's tokens exactly (`lossless`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from modeling_dflash2 import DFlashDraftModel
+from trainer.speculative import SpeculativeResult, spec_generate, target_generate
+
+logger = logging.getLogger(__name__)
+
+
+def summarize(results: Sequence[SpeculativeResult], block_size: int) -> dict[str, Any]:
+    """Mean τ over all steps (tokens per target verification, bonus included), τ histogram over
+    1..B, per-position acceptance P(accepted >= k) for k = 1..B-1, and throughput."""
+    lengths = [length for result in results for length in result.acceptance_lengths]
+    steps = max(len(lengths), 1)
+    tokens = sum(len(result.tokens) for result in results)
+    seconds = sum(result.prefill_seconds + result.decode_seconds for result in results)
+    histogram = [sum(1 for length in lengths if length == k) for k in range(1, block_size + 1)]
+    return {
+        "mean_tau": sum(lengths) / steps,
+        "steps": len(lengths),
+        "tokens": tokens,
+        "tau_histogram": histogram,
+        "per_position_acceptance": [sum(1 for n in lengths if n - 1 >= k) / steps for k in range(1, block_size)],
+        "tokens_per_second": tokens / seconds if seconds > 0 else float("nan"),
+    }
+
+
+def evaluate_paths(
+    target: nn.Module,
+    drafts: dict[str, DFlashDraftModel],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: list[int] | None = None,
+    paths: Sequence[str] = ("selector", "unary"),
+    seed: int = 0,
+    skip_selector_for: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Decode `prompts` with the target alone and with each draft along each path (drafts named in
+    `skip_selector_for`, e.g. an untrained one whose selector is an exact no-op, run unary only)."""
+    generator = torch.Generator().manual_seed(seed)
+    baseline = [
+        target_generate(target, torch.tensor([p]), max_new_tokens, temperature, stop_token_ids, generator)
+        for p in prompts
+    ]
+    target_speed = summarize(baseline, 2)["tokens_per_second"]
+    report: dict[str, Any] = {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "target_tokens_per_second": target_speed,
+        "paths": {},
+    }
+    lossless = True
+    for label, draft in drafts.items():
+        draft_paths = paths if getattr(draft, "candidate_selector", None) is not None else ("unary",)
+        if label in (skip_selector_for or ()):
+            draft_paths = ("unary",)
+        for path in draft_paths:
+            results = [
+                spec_generate(
+                    target,
+                    draft,
+                    torch.tensor([p]),
+                    max_new_tokens,
+                    temperature,
+                    stop_token_ids,
+                    use_selector=path == "selector",
+                    generator=generator,
+                )
+                for p in prompts
+            ]
+            summary = summarize(results, draft.block_size)
+            summary["speedup"] = summary["tokens_per_second"] / target_speed
+            if temperature == 0:
+                same = all(r.tokens == b.tokens for r, b in zip(results, baseline, strict=True))
+                summary["matches_target"] = same
+                lossless = lossless and same
+            report["paths"][f"{label}/{path}"] = summary
+            logger.info(
+                "%s/%s: mean tau %.3f, %.1f tok/s", label, path, summary["mean_tau"], summary["tokens_per_second"]
+            )
+    if temperature == 0:
+        report["lossless"] = lossless
+    return report
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """Two panels: τ histogram and per-position acceptance, one series per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
+    for name, summary in report["paths"].items():
+        histogram = summary["tau_histogram"]
+        total = max(sum(histogram), 1)
+        left.plot(range(1, len(histogram) + 1), [c / total for c in histogram], marker="o", label=name)
+        per_position = summary["per_position_acceptance"]
+        right.plot(
+            range(1, len(per_position) + 1), per_position, marker="o", label=f"{name} (τ={summary['mean_tau']:.2f})"
+        )
+    left.set(xlabel="tokens per step (τ)", ylabel="fraction of steps", title="τ histogram")
+    right.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1), title="Per-position acceptance")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def prompt_ids(sample: dict[str, Any]) -> list[int]:
+    """The prompt of a tokenized sample: every token before the first supervised one."""
+    mask = list(sample["loss_mask"])
+    first = mask.index(1) if 1 in mask else len(mask)
+    return list(sample["input_ids"][:first])
+
+
+class SpeculativeEvalCallback(TrainerCallback):
+    """At each evaluation, decode a few held-out prompts for real (greedy, selector path) and log
+    the mean acceptance length as `eval_spec_tau`."""
+
+    def __init__(self, trainer, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: list[int] | None):
+        self.trainer, self.prompts = trainer, prompts
+        self.max_new_tokens, self.stop_token_ids = max_new_tokens, stop_token_ids
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer.is_fsdp_enabled:
+            logger.warning("eval_spec_tau is skipped under FSDP (the draft's parameters are sharded).")
+            return control
+        draft = trainer.accelerator.unwrap_model(trainer.model)
+        was_training = draft.training
+        results = [
+            spec_generate(
+                trainer.target.model, draft, torch.tensor([p]), self.max_new_tokens, stop_token_ids=self.stop_token_ids
+            )
+            for p in self.prompts
+        ]
+        draft.train(was_training)
+        trainer.log({"eval_spec_tau": summarize(results, draft.block_size)["mean_tau"]})
+        return control
