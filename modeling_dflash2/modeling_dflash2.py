@@ -57,7 +57,9 @@ MaskLike = Any  # bool/float tensor, flex BlockMask, or {layer_type: either}
 
 def unary_transform(logits: torch.Tensor, output_multiplier: float, softcap: float | None) -> torch.Tensor:
     """Serving's unary transform in fp32: multiply first, then `cap * tanh(x / cap)` when cap > 0."""
-    logits = logits.float() * output_multiplier
+    logits = logits.float()
+    if output_multiplier != 1.0:
+        logits = logits * output_multiplier
     if softcap is not None and softcap > 0:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
@@ -431,9 +433,16 @@ class DFlash2CandidateSelector(nn.Module):
         transition = self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
         return SelectorScores(candidate_ids, candidate_unary, candidate_unary + transition)
 
-    def lattice(self, hidden: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor) -> SelectorLattice:
-        """All K x K transition scores of a block: hidden [b, T, H], unary [b, T, V], anchors [b]."""
-        candidate_unary, candidate_ids = self.candidates(unary)
+    def lattice(
+        self,
+        hidden: torch.Tensor,
+        unary: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SelectorLattice:
+        """All K x K transition scores of a block: hidden [b, T, H], unary [b, T, V], anchors [b].
+        `candidates` (values, ids), when already computed, saves the top-K pass over the vocabulary."""
+        candidate_unary, candidate_ids = candidates if candidates is not None else self.candidates(unary)
         projected = self.hidden_projection(hidden)
         first = candidate_unary[:, 0] + self.transition(projected[:, 0], anchor_ids, candidate_ids[:, 0])
         conditioned = self.predecessor_codebook[candidate_ids[:, :-1]] * projected[:, 1:, None, :]
@@ -448,11 +457,12 @@ class DFlash2CandidateSelector(nn.Module):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SelectorWalk:
         """The serving walk from the anchor: greedy (ties to the higher unary candidate) or sampled."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (got {temperature}).")
-        lattice = self.lattice(hidden, unary, anchor_ids)
+        lattice = self.lattice(hidden, unary, anchor_ids, candidates)
         batch, slots, top_k = lattice.candidate_ids.shape
         rows, probs, picks = [], [], []
         row = lattice.first_scores

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling_dflash2 import DFlashDraftModel
+from modeling_dflash2 import DFlashDraftModel, unary_transform
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 from trainer.masks import attention_masks
 from trainer.metrics import MetricTerms, add_terms, selector_terms, unary_terms
@@ -176,7 +176,9 @@ class _ChunkLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
         unary = self.draft.compute_logits(hidden, self.output_head)  # [c, B, V] fp32
-        nll = torch.logsumexp(unary, dim=-1) - unary.gather(-1, labels[..., None])[..., 0]
+        vocab = unary.shape[-1]
+        # fused log-softmax + NLL: one pass forward, one pass backward over the vocabulary
+        nll = F.cross_entropy(unary.reshape(-1, vocab), labels.reshape(-1), reduction="none").view_as(labels)
         if self.config.loss_type == "dpace":
             position_weight = weights * dpace_weights(
                 nll, weights, self.config.dpace_alpha, self.config.dpace_weighting
@@ -185,55 +187,68 @@ class _ChunkLoss:
             position_weight = weights * self.decay
         base_numerator = (nll * position_weight).sum()
         selector_numerator = torch.zeros((), device=hidden.device)
-        selector_parts = None
+        top = None
         if self.with_selector:
-            selector_numerator, selector_parts = self._selector_loss(hidden, unary, labels, position_weight)
+            with torch.no_grad():  # strict top-K of the served unary logits, proposal slots only
+                top = self.draft.candidate_selector.candidates(unary.detach()[:, 1:])
+            selector_numerator, selector_parts = self._selector_loss(hidden, labels, position_weight, top)
+        else:
+            selector_parts = None
         # Metrics once (the first, non-recomputed pass), on detached values.
         if self.terms is None:
             with torch.no_grad():
-                self.terms = self._metrics(hidden.detach(), unary.detach(), labels, weights, nll, selector_parts)
+                self.terms = self._metrics(hidden.detach(), unary.detach(), labels, weights, nll, top, selector_parts)
         return base_numerator, selector_numerator
 
-    def _selector_loss(self, hidden, unary, labels, position_weight):
+    def _candidate_unary(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Differentiable transformed logits of the given ids [..., K], from K head rows rather than
+        through the [rows, V] logits (whose backward would cost a dense pass over the vocabulary)."""
+        head = self.output_head
+        weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
+        if weight is None or weight.dim() != 2 or getattr(head, "bias", None) is not None:
+            return self.draft.compute_logits(hidden, head).gather(-1, ids)
+        logits = torch.einsum("...h,...kh->...k", hidden, weight[ids].to(hidden.dtype))
+        settings = self.draft.dflash
+        return unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
+
+    def _selector_loss(self, hidden, labels, position_weight, top):
         selector = self.draft.candidate_selector
         gold = labels[:, 1:]
         predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor, then the gold tokens
-        proposal_hidden, proposal_unary = hidden[:, 1:], unary[:, 1:]
-        candidate_unary, candidate_ids = selector.candidates(proposal_unary)
-        is_gold = candidate_ids == gold[..., None]
-        covered = is_gold.any(dim=-1)
-        if self.config.selector_gold == "insert":
-            weakest = torch.zeros_like(is_gold)
+        proposal_hidden = hidden[:, 1:]
+        candidate_ids = top[1]
+        covered = (candidate_ids == gold[..., None]).any(dim=-1)
+        if self.config.selector_gold == "insert":  # gold replaces the weakest candidate
+            weakest = torch.zeros_like(candidate_ids, dtype=torch.bool)
             weakest[..., -1] = True
-            replace = weakest & ~covered[..., None]
-            candidate_ids = torch.where(replace, gold[..., None], candidate_ids)
-            gold_unary = proposal_unary.gather(-1, gold[..., None])
-            candidate_unary = torch.where(replace, gold_unary, candidate_unary)
-            is_gold = candidate_ids == gold[..., None]
+            candidate_ids = torch.where(weakest & ~covered[..., None], gold[..., None], candidate_ids)
             selector_weight = position_weight[:, 1:]
         else:
             selector_weight = position_weight[:, 1:] * covered
+        is_gold = candidate_ids == gold[..., None]
         if self.config.selector_stop_gradient:
-            proposal_hidden, candidate_unary = proposal_hidden.detach(), candidate_unary.detach()
+            proposal_hidden = proposal_hidden.detach()
+        candidate_unary = self._candidate_unary(proposal_hidden, candidate_ids)
         scores = selector.score_candidates(proposal_hidden, candidate_ids, candidate_unary, predecessors).scores
         gold_index = is_gold.float().argmax(dim=-1, keepdim=True)
         cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index)[..., 0]
         return (cross_entropy * selector_weight).sum(), (scores.detach(), gold_index[..., 0], covered)
 
-    def _metrics(self, hidden, unary, labels, weights, nll, selector_parts) -> MetricTerms:
-        terms = unary_terms(unary.argmax(dim=-1), labels, weights)
+    def _metrics(self, hidden, unary, labels, weights, nll, top, selector_parts) -> MetricTerms:
+        # with the selector, top-1 of the sorted top-K is the argmax: no extra pass over the vocabulary
+        predicted = unary.argmax(dim=-1) if top is None else torch.cat([labels[:, :1], top[1][..., 0]], dim=1)
+        terms = unary_terms(predicted, labels, weights)
         terms["loss_base_unweighted"] = ((nll.detach() * weights).sum(), weights.sum())
         if selector_parts is not None:
             scores, gold_index, covered = selector_parts
-            proposal_weights = weights[:, 1:]
-            walk = self.draft.candidate_selector.walk(hidden[:, 1:], unary[:, 1:], labels[:, 0])
+            walk = self.draft.candidate_selector.walk(hidden[:, 1:], unary[:, 1:], labels[:, 0], candidates=top)
             terms.update(
                 selector_terms(
                     covered=covered,
                     selector_correct=scores.argmax(dim=-1) == gold_index,
-                    unary_correct=unary[:, 1:].argmax(dim=-1) == labels[:, 1:],
+                    unary_correct=predicted[:, 1:] == labels[:, 1:],
                     walk_correct=walk.tokens == labels[:, 1:],
-                    weights=proposal_weights,
+                    weights=weights[:, 1:],
                 )
             )
         return terms

@@ -1,0 +1,60 @@
+"""Explicit FLOP count of one training step (matrix products only; 2 FLOPs per multiply-add).
+
+Model FLOPs = forward + backward (2x forward) of the useful work: attention is counted over the
+visible (query, key) pairs only, the LM head over the blocks that carry a scored slot (the others
+are skipped by the objective). Hardware FLOPs add what the implementation recomputes: the LM-head
+chunks run their forward again under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.setups import StepSetup, SyntheticBatch
+from trainer.masks import attention_masks
+
+
+@dataclass
+class StepFlops:
+    forward: int
+    lm_head_forward: int
+
+    @property
+    def model(self) -> int:
+        return 3 * self.forward
+
+    @property
+    def hardware(self) -> int:
+        return self.model + self.lm_head_forward
+
+
+def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
+    config = setup.config
+    settings = config.dflash_settings
+    hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim or hidden // heads
+    rows, length = batch.input_ids.shape
+    queries = rows * batch.blocks.draft_ids.shape[1]
+    keys = rows * length + queries
+    taps = len(settings.target_layer_ids)
+    flops = 2 * rows * length * taps * hidden * hidden  # fc
+    masks = attention_masks(batch.blocks, settings)
+    for index in range(config.num_hidden_layers):
+        visible = int(masks[settings.layer_types[index]].sum())
+        flops += 2 * queries * hidden * heads * head_dim  # q
+        flops += 2 * 2 * keys * hidden * kv_heads * head_dim  # k, v over context and block
+        flops += 2 * queries * heads * head_dim * hidden  # o
+        flops += 2 * 2 * heads * head_dim * visible  # scores and values over visible pairs
+        flops += 3 * 2 * queries * hidden * inner  # SwiGLU
+        groups = hidden // settings.conv_group_size
+        kernel = settings.conv_kernel_size
+        flops += 2 * (2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden)  # two convs
+    weights = batch.blocks.weights.reshape(-1, settings.block_size)
+    active_blocks = int((weights.sum(-1) > 0).sum())
+    head_rows = active_blocks * settings.block_size
+    lm_head = 2 * head_rows * hidden * vocab
+    proposal_rows = active_blocks * (settings.block_size - 1)
+    rank, top_k = settings.selector_rank, settings.selector_top_k
+    selector = 2 * proposal_rows * hidden * rank + 2 * proposal_rows * top_k * hidden + 4 * proposal_rows * top_k * rank
+    return StepFlops(forward=flops + lm_head + selector, lm_head_forward=lm_head + selector)
