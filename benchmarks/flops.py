@@ -1,9 +1,11 @@
 """Explicit FLOP count of one training step (matrix products only; 2 FLOPs per multiply-add).
 
-Model FLOPs = forward + backward (2x forward) of the useful work: attention is counted over the
-visible (query, key) pairs only, the LM head over the blocks that carry a scored slot (the others
-are skipped by the objective). Hardware FLOPs add what the implementation recomputes: the LM-head
-chunks run their forward again under activation checkpointing.
+Model FLOPs count the useful work of forward and backward: trainable layers cost 3x their forward
+(input and weight gradients); the frozen LM head 2x (forward, and the gradient with respect to the
+hidden states only); `fc` 2x (its input, the target's features, needs no gradient). Attention is
+counted over visible (query, key) pairs only, the LM head over scored slots 1..B-1 of blocks that
+carry a scored slot. Hardware FLOPs add what the implementation recomputes: the selector term's
+forward under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -16,16 +18,18 @@ from trainer.masks import attention_masks
 
 @dataclass
 class StepFlops:
-    forward: int
+    trainable_forward: int
+    fc_forward: int
     lm_head_forward: int
+    selector_forward: int
 
     @property
     def model(self) -> int:
-        return 3 * self.forward
+        return 3 * (self.trainable_forward + self.selector_forward) + 2 * (self.fc_forward + self.lm_head_forward)
 
     @property
     def hardware(self) -> int:
-        return self.model + self.lm_head_forward
+        return self.model + self.selector_forward
 
 
 def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
@@ -38,7 +42,8 @@ def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
     queries = rows * batch.blocks.draft_ids.shape[1]
     keys = rows * length + queries
     taps = len(settings.target_layer_ids)
-    flops = 2 * rows * length * taps * hidden * hidden  # fc
+    fc = 2 * rows * length * taps * hidden * hidden
+    flops = 0
     masks = attention_masks(batch.blocks, settings)
     for index in range(config.num_hidden_layers):
         visible = int(masks[settings.layer_types[index]].sum())
@@ -52,9 +57,8 @@ def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
         flops += 2 * (2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden)  # two convs
     weights = batch.blocks.weights.reshape(-1, settings.block_size)
     active_blocks = int((weights.sum(-1) > 0).sum())
-    head_rows = active_blocks * settings.block_size
-    lm_head = 2 * head_rows * hidden * vocab
-    proposal_rows = active_blocks * (settings.block_size - 1)
+    proposal_rows = active_blocks * (settings.block_size - 1)  # slot 0, the anchor, is never scored
+    lm_head = 2 * proposal_rows * hidden * vocab
     rank, top_k = settings.selector_rank, settings.selector_top_k
     selector = 2 * proposal_rows * hidden * rank + 2 * proposal_rows * top_k * hidden + 4 * proposal_rows * top_k * rank
-    return StepFlops(forward=flops + lm_head + selector, lm_head_forward=lm_head + selector)
+    return StepFlops(trainable_forward=flops, fc_forward=fc, lm_head_forward=lm_head, selector_forward=selector)

@@ -1,15 +1,18 @@
 """Peak memory of the loss head (LM head + losses + backward) as the number of anchors grows,
 chunked (the trainer's objective) against unchunked (full logits, the naive reference).
 
-On CPU each measurement runs in a fresh process and reads the peak resident set size before and
-after the loss head (Linux `ru_maxrss`); on CUDA it reads the allocator's peak.
+On CPU each measurement runs in a fresh process: freed heap memory is handed back to the OS
+(`malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), and the peak
+(`VmHWM`) after the loss head minus the resident size before it is the loss head's peak. On CUDA
+it reads the allocator's peak.
 Usage (one measurement): python -m benchmarks.loss_memory SETUP ANCHORS chunked|unchunked [DEVICE]
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
-import resource
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +24,24 @@ from benchmarks.naive import naive_loss
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective import ObjectiveConfig, dflash_loss
 
+# glibc raises its mmap threshold after large frees and then serves big blocks from a heap it
+# rarely returns, so RSS would track allocator history rather than live tensors; a fixed threshold
+# keeps every large tensor in its own mapping, returned to the OS when freed.
+MEASURING_ENVIRONMENT = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup, "tiny": setups.tiny_setup}
 
 
-def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _resident_before_measuring() -> int:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark
+    return _status_bytes("VmRSS")
 
 
 def measure(setup_name: str, anchors: int, mode: str, device: str = "cpu") -> dict:
@@ -46,7 +62,7 @@ def measure(setup_name: str, anchors: int, mode: str, device: str = "cpu") -> di
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        before = _peak_bytes()
+        before = _resident_before_measuring()
     if mode == "chunked":
         loss = dflash_loss(draft, hidden_states, blocks, head, objective).loss
     else:
@@ -56,7 +72,7 @@ def measure(setup_name: str, anchors: int, mode: str, device: str = "cpu") -> di
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = _peak_bytes() - before
+        peak = _status_bytes("VmHWM") - before
     logits_bytes = anchors * block * vocab * 4
     return {"anchors": anchors, "mode": mode, "peak_bytes": peak, "unchunked_logits_bytes": logits_bytes}
 
@@ -75,6 +91,7 @@ def sweep(setup_name: str, anchor_counts, device: str = "cpu") -> list[dict]:
                 text=True,
                 check=True,
                 cwd=Path(__file__).resolve().parents[1],
+                env=MEASURING_ENVIRONMENT,
             ).stdout
             results.append(json.loads(output.strip().splitlines()[-1]))
     return results

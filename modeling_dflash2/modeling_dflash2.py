@@ -436,12 +436,12 @@ class DFlash2CandidateSelector(nn.Module):
     def lattice(
         self,
         hidden: torch.Tensor,
-        unary: torch.Tensor,
+        unary: torch.Tensor | None,
         anchor_ids: torch.Tensor,
         candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SelectorLattice:
         """All K x K transition scores of a block: hidden [b, T, H], unary [b, T, V], anchors [b].
-        `candidates` (values, ids), when already computed, saves the top-K pass over the vocabulary."""
+        `candidates` (values, ids), when already computed, replaces `unary` and its top-K pass."""
         candidate_unary, candidate_ids = candidates if candidates is not None else self.candidates(unary)
         projected = self.hidden_projection(hidden)
         first = candidate_unary[:, 0] + self.transition(projected[:, 0], anchor_ids, candidate_ids[:, 0])
@@ -453,7 +453,7 @@ class DFlash2CandidateSelector(nn.Module):
     def walk(
         self,
         hidden: torch.Tensor,
-        unary: torch.Tensor,
+        unary: torch.Tensor | None,
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,

@@ -86,7 +86,9 @@ class DFlashTrainingArguments(TrainingArguments):
     gamma: float | None = field(default=None, metadata={"help": "Decay; unset: 7 for B=16, 4 for B=8; 0: off."})
     dpace_alpha: float = 0.5
     dpace_weighting: str = "full"
-    loss_chunk_blocks: int = field(default=64, metadata={"help": "Blocks per LM-head chunk."})
+    loss_chunk_blocks: int = field(
+        default=16, metadata={"help": "Blocks per LM-head chunk: one chunk of logits is the loss head's peak memory."}
+    )
     selector_alpha: float = 1.0
     selector_warmup_ratio: float = 0.0
     selector_ramp_ratio: float = 0.0

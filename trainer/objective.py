@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, unary_transform
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.loss_head import fused_unary_cross_entropy
 from trainer.masks import attention_masks
 from trainer.metrics import MetricTerms, add_terms, selector_terms, unary_terms
 
@@ -59,7 +60,7 @@ class ObjectiveConfig:
     gamma: float | None = None
     dpace_alpha: float = 0.5
     dpace_weighting: str = "full"
-    chunk_blocks: int = 64
+    chunk_blocks: int = 16
     selector_alpha: float = 1.0
     selector_warmup_ratio: float = 0.0
     selector_ramp_ratio: float = 0.0
@@ -156,97 +157,92 @@ class ObjectiveResult:
         return dict(self.__dict__)
 
 
-class _ChunkLoss:
-    """Losses and metrics of one chunk of blocks; called under activation checkpointing."""
+class _ChunkObjective:
+    """Losses and metrics of one chunk of blocks [c, B]; slot 0 (the anchor) is never scored, so the
+    LM head runs on slots 1..B-1 only."""
 
-    def __init__(
-        self,
-        draft: DFlashDraftModel,
-        output_head: nn.Module | torch.Tensor,
-        config: ObjectiveConfig,
-        decay: torch.Tensor,
-        with_selector: bool,
-    ):
-        self.draft = draft
-        self.output_head = output_head
-        self.config = config
-        self.decay = decay
-        self.with_selector = with_selector
-        self.terms: MetricTerms | None = None
+    def __init__(self, draft: DFlashDraftModel, head_weight: torch.Tensor, config: ObjectiveConfig, decay, selector):
+        self.draft, self.head_weight, self.config, self.decay = draft, head_weight, config, decay
+        self.selector = selector  # the DFlash2 candidate selector, or None (DFlash v1 / alpha = 0)
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-        unary = self.draft.compute_logits(hidden, self.output_head)  # [c, B, V] fp32
-        vocab = unary.shape[-1]
-        # fused log-softmax + NLL: one pass forward, one pass backward over the vocabulary
-        nll = F.cross_entropy(unary.reshape(-1, vocab), labels.reshape(-1), reduction="none").view_as(labels)
-        if self.config.loss_type == "dpace":
-            position_weight = weights * dpace_weights(
-                nll, weights, self.config.dpace_alpha, self.config.dpace_weighting
+        chunk, block = labels.shape
+        proposal_hidden, gold, proposal_weights = hidden[:, 1:], labels[:, 1:], weights[:, 1:]
+
+        def position_weights(nll: torch.Tensor) -> torch.Tensor:
+            if self.config.loss_type == "dpace":
+                full = torch.cat([nll.new_zeros(chunk, 1), nll.view(chunk, block - 1)], dim=1)
+                dpace = dpace_weights(full, weights, self.config.dpace_alpha, self.config.dpace_weighting)
+                return (weights * dpace)[:, 1:].reshape(-1)
+            return (proposal_weights * self.decay[1:]).reshape(-1)
+
+        settings = self.draft.dflash
+        head = fused_unary_cross_entropy(
+            proposal_hidden.reshape(-1, proposal_hidden.shape[-1]),
+            self.head_weight,
+            gold.reshape(-1),
+            position_weights,
+            settings.output_multiplier,
+            settings.final_logit_softcapping,
+            self.selector.top_k if self.selector is not None else 0,
+        )
+        shape = (chunk, block - 1)
+        nll, predicted = head.nll.view(shape), head.argmax.view(shape)
+        selector_numerator, selector_parts = hidden.new_zeros((), dtype=torch.float32), None
+        if self.selector is not None:
+            top = (head.top[0].view(*shape, -1), head.top[1].view(*shape, -1))
+            selector_numerator, selector_parts = self._selector_loss(
+                proposal_hidden, labels, head.position_weights.view(shape), top
             )
-        else:
-            position_weight = weights * self.decay
-        base_numerator = (nll * position_weight).sum()
-        selector_numerator = torch.zeros((), device=hidden.device)
-        top = None
-        if self.with_selector:
-            with torch.no_grad():  # strict top-K of the served unary logits, proposal slots only
-                top = self.draft.candidate_selector.candidates(unary.detach()[:, 1:])
-            selector_numerator, selector_parts = self._selector_loss(hidden, labels, position_weight, top)
-        else:
-            selector_parts = None
-        # Metrics once (the first, non-recomputed pass), on detached values.
-        if self.terms is None:
-            with torch.no_grad():
-                self.terms = self._metrics(hidden.detach(), unary.detach(), labels, weights, nll, top, selector_parts)
-        return base_numerator, selector_numerator
+        with torch.no_grad():
+            terms = self._metrics(hidden.detach(), labels, weights, nll, predicted, selector_parts)
+        return head.numerator, selector_numerator, terms
 
     def _candidate_unary(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Differentiable transformed logits of the given ids [..., K], from K head rows rather than
-        through the [rows, V] logits (whose backward would cost a dense pass over the vocabulary)."""
-        head = self.output_head
-        weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
-        if weight is None or weight.dim() != 2 or getattr(head, "bias", None) is not None:
-            return self.draft.compute_logits(hidden, head).gather(-1, ids)
-        logits = torch.einsum("...h,...kh->...k", hidden, weight[ids].to(hidden.dtype))
+        """Transformed logits of the ids [..., K] from K rows of the head, not from the [rows, V] logits."""
+        logits = torch.einsum("...h,...kh->...k", hidden, self.head_weight[ids].to(hidden.dtype))
         settings = self.draft.dflash
         return unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
 
-    def _selector_loss(self, hidden, labels, position_weight, top):
-        selector = self.draft.candidate_selector
-        gold = labels[:, 1:]
-        predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor, then the gold tokens
-        proposal_hidden = hidden[:, 1:]
+    def _selector_loss(self, proposal_hidden, labels, position_weight, top):
+        gold, predecessors = labels[:, 1:], labels[:, :-1]  # slot 1's predecessor is the anchor
         candidate_ids = top[1]
         covered = (candidate_ids == gold[..., None]).any(dim=-1)
         if self.config.selector_gold == "insert":  # gold replaces the weakest candidate
             weakest = torch.zeros_like(candidate_ids, dtype=torch.bool)
             weakest[..., -1] = True
             candidate_ids = torch.where(weakest & ~covered[..., None], gold[..., None], candidate_ids)
-            selector_weight = position_weight[:, 1:]
+            selector_weight = position_weight
         else:
-            selector_weight = position_weight[:, 1:] * covered
-        is_gold = candidate_ids == gold[..., None]
-        if self.config.selector_stop_gradient:
-            proposal_hidden = proposal_hidden.detach()
-        candidate_unary = self._candidate_unary(proposal_hidden, candidate_ids)
-        scores = selector.score_candidates(proposal_hidden, candidate_ids, candidate_unary, predecessors).scores
-        gold_index = is_gold.float().argmax(dim=-1, keepdim=True)
-        cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index)[..., 0]
-        return (cross_entropy * selector_weight).sum(), (scores.detach(), gold_index[..., 0], covered)
+            selector_weight = position_weight * covered
+        gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1, keepdim=True)
 
-    def _metrics(self, hidden, unary, labels, weights, nll, top, selector_parts) -> MetricTerms:
-        # with the selector, top-1 of the sorted top-K is the argmax: no extra pass over the vocabulary
-        predicted = unary.argmax(dim=-1) if top is None else torch.cat([labels[:, :1], top[1][..., 0]], dim=1)
-        terms = unary_terms(predicted, labels, weights)
-        terms["loss_base_unweighted"] = ((nll.detach() * weights).sum(), weights.sum())
+        def numerator(hidden):
+            if self.config.selector_stop_gradient:
+                hidden = hidden.detach()
+            candidate_unary = self._candidate_unary(hidden, candidate_ids)
+            scores = self.selector.score_candidates(hidden, candidate_ids, candidate_unary, predecessors).scores
+            cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index)[..., 0]
+            return (cross_entropy * selector_weight).sum(), scores.detach()
+
+        if torch.is_grad_enabled():  # [rows, K, r] gathers are recomputed rather than kept for backward
+            total, scores = checkpoint(numerator, proposal_hidden, use_reentrant=False)
+        else:
+            total, scores = numerator(proposal_hidden)
+        return total, (scores, gold_index[..., 0], covered, top)
+
+    def _metrics(self, hidden, labels, weights, nll, predicted, selector_parts) -> MetricTerms:
+        full_prediction = torch.cat([labels[:, :1], predicted], dim=1)  # slot 0 is never scored
+        terms = unary_terms(full_prediction, labels, weights)
+        terms["loss_base_unweighted"] = ((nll * weights[:, 1:]).sum(), weights.sum())
         if selector_parts is not None:
-            scores, gold_index, covered = selector_parts
-            walk = self.draft.candidate_selector.walk(hidden[:, 1:], unary[:, 1:], labels[:, 0], candidates=top)
+            scores, gold_index, covered, top = selector_parts
+            walk = self.selector.walk(hidden[:, 1:], None, labels[:, 0], candidates=top)
             terms.update(
                 selector_terms(
                     covered=covered,
                     selector_correct=scores.argmax(dim=-1) == gold_index,
-                    unary_correct=predicted[:, 1:] == labels[:, 1:],
+                    unary_correct=predicted == labels[:, 1:],
                     walk_correct=walk.tokens == labels[:, 1:],
                     weights=weights[:, 1:],
                 )
@@ -265,13 +261,16 @@ def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig) -> torch.Te
     return (weights * decay).sum().float()
 
 
-def frozen_output_head(output_head: nn.Module | torch.Tensor) -> nn.Module | torch.Tensor:
-    """The target LM head, guaranteed to take no gradient: tensors are detached, modules must be frozen."""
+def head_weight(output_head: nn.Module | torch.Tensor) -> torch.Tensor:
+    """The target LM head as its (detached) weight matrix [V, H]; a module must be frozen and bias-free."""
     if isinstance(output_head, torch.Tensor):
         return output_head.detach()
     if any(parameter.requires_grad for parameter in output_head.parameters()):
         raise ValueError("The target LM head must be frozen (requires_grad=False): it is served from the target.")
-    return output_head
+    weight = getattr(output_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(output_head, "bias", None) is not None:
+        raise ValueError(f"The target LM head must be a bias-free linear layer; got {type(output_head).__name__}.")
+    return weight.detach()
 
 
 def configure_selector_training(draft: DFlashDraftModel, config: ObjectiveConfig) -> None:
@@ -296,7 +295,7 @@ def dflash_loss(
     every selector parameter stays in the graph (zero gradients during warmup).
     """
     block_size = blocks.block_size
-    output_head = frozen_output_head(output_head)
+    weight = head_weight(output_head)
     alpha_eff = config.selector_alpha if alpha is None else alpha
     with_selector = bool(draft.dflash.is_dflash2 and config.selector_enabled)
     labels = blocks.labels.reshape(-1, block_size)
@@ -314,14 +313,13 @@ def dflash_loss(
     numerator = hidden.new_zeros((), dtype=torch.float32)
     selector_numerator = hidden.new_zeros((), dtype=torch.float32)
     terms: MetricTerms = {}
+    chunk_objective = _ChunkObjective(draft, weight, config, decay, draft.candidate_selector if with_selector else None)
     for start in range(0, index.numel(), config.chunk_blocks):
         chunk = slice(start, start + config.chunk_blocks)
-        step = _ChunkLoss(draft, output_head, config, decay, with_selector)
-        args = (flat_hidden[chunk], labels[chunk], weights[chunk])
-        parts = checkpoint(step, *args, use_reentrant=False) if torch.is_grad_enabled() else step(*args)
-        numerator = numerator + parts[0]
-        selector_numerator = selector_numerator + parts[1]
-        add_terms(terms, step.terms)
+        base, selector, chunk_terms = chunk_objective(flat_hidden[chunk], labels[chunk], weights[chunk])
+        numerator = numerator + base
+        selector_numerator = selector_numerator + selector
+        add_terms(terms, chunk_terms)
     denominator = loss_denominator(blocks.weights, config)
 
     total = numerator + alpha_eff * selector_numerator

@@ -1,0 +1,111 @@
+"""Run the benchmarks: `make bench` (or `python -m benchmarks.run [--quick] [--device cuda]`).
+
+Sections: matmul peak; one training step at the SmolLM2 draft config and at a large config (MFU,
+speed-up over the naive reference, loss agreement); loss-head peak memory against the number of
+anchors, chunked vs unchunked; speculative decoding tokens/s with SmolLM2. Writes JSON under
+benchmarks/results/ and prints Markdown tables. Not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+from benchmarks import setups
+from benchmarks.loss_memory import sweep
+from benchmarks.spec_decode import bench_spec_decode
+from benchmarks.train_step import bench_train_step, matmul_peak
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny config only (a smoke run)")
+    parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument("--output")
+    args = parser.parse_args(argv)
+    gpu = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    attention = "flex_attention" if gpu else "sdpa"
+    peak = matmul_peak(args.device, dtype)
+    results: dict = {
+        "machine": {
+            "device": torch.cuda.get_device_name() if gpu else f"{platform.processor() or platform.machine()} CPU",
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "matmul_peak_gflop_per_second": peak,
+        "train_step": [],
+    }
+    step_setups = [setups.tiny_setup()] if args.quick else [setups.smollm2_setup()]
+    if not args.quick and not args.skip_large:
+        step_setups.append(setups.large_setup())
+    for setup in step_setups:
+        results["train_step"].append(bench_train_step(setup, args.device, dtype, attention, peak=peak))
+    anchors = (8, 16) if args.quick else (64, 128, 256, 512, 1024)
+    results["loss_head_memory"] = sweep("tiny" if args.quick else "smollm2", anchors, args.device)
+    if not args.quick and not args.skip_spec:
+        results["spec_decode"] = bench_spec_decode()
+    RESULTS.mkdir(exist_ok=True)
+    output = Path(args.output) if args.output else RESULTS / f"{'quick' if args.quick else args.device}.json"
+    output.write_text(json.dumps(results, indent=2))
+    print(tables(results))
+    print(f"\nresults: {output}")
+    return results
+
+
+def tables(results: dict) -> str:
+    lines = [f"matmul peak: {results['matmul_peak_gflop_per_second']:.1f} GFLOP/s ({results['machine']['device']})", ""]
+    lines += [
+        "| setup | s/step | supervised tok/s | GFLOP/s | MFU | naive s/step | speed-up | losses agree |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["train_step"]:
+        lines.append(
+            f"| {r['setup']} | {r['seconds_per_step']:.3f} | {r['supervised_tokens_per_second']:.0f} | "
+            f"{r['achieved_gflop_per_second']:.1f} | {r['mfu']:.0%} | "
+            f"{r.get('naive_seconds_per_step', float('nan')):.3f} | "
+            f"{r.get('speedup_over_naive', float('nan')):.1f}× | {r.get('losses_agree')} |"
+        )
+    lines += [
+        "",
+        "| anchors | chunked peak MB | unchunked peak MB | unchunked logits MB | chunked / logits |",
+        "|---|---|---|---|---|",
+    ]
+    by_anchor: dict[int, dict] = {}
+    for m in results["loss_head_memory"]:
+        by_anchor.setdefault(m["anchors"], {})[m["mode"]] = m
+    for anchors, modes in sorted(by_anchor.items()):
+        chunked, unchunked = modes["chunked"], modes["unchunked"]
+        logits = chunked["unchunked_logits_bytes"]
+        lines.append(
+            f"| {anchors} | {chunked['peak_bytes'] / 2**20:.0f} | {unchunked['peak_bytes'] / 2**20:.0f} | "
+            f"{logits / 2**20:.0f} | {chunked['peak_bytes'] / logits:.3f} |"
+        )
+    if "spec_decode" in results:
+        spec = results["spec_decode"]
+        lines += [
+            "",
+            f"speculative decoding ({spec['draft']}), {spec['prompts']} prompts:",
+            "| path | mean τ | tok/s | speed-up |",
+            "|---|---|---|---|",
+        ]
+        lines.append(f"| target alone | 1.00 | {spec['target_tokens_per_second']:.1f} | 1.00× |")
+        for name, path in spec["paths"].items():
+            lines.append(
+                f"| {name} | {path['mean_tau']:.2f} | {path['tokens_per_second']:.1f} | {path['speedup']:.2f}× |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
