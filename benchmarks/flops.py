@@ -18,14 +18,16 @@ from trainer.masks import attention_masks
 
 @dataclass
 class StepFlops:
-    trainable_forward: int
+    linear_forward: int  # the draft's layers: projections, SwiGLU, convolutions
+    attention_forward: int  # scores and values over visible pairs
     fc_forward: int
     lm_head_forward: int
     selector_forward: int
 
     @property
     def model(self) -> int:
-        return 3 * (self.trainable_forward + self.selector_forward) + 2 * (self.fc_forward + self.lm_head_forward)
+        trainable = self.linear_forward + self.attention_forward + self.selector_forward
+        return 3 * trainable + 2 * (self.fc_forward + self.lm_head_forward)
 
     @property
     def hardware(self) -> int:
@@ -43,14 +45,14 @@ def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
     keys = rows * length + queries
     taps = len(settings.target_layer_ids)
     fc = 2 * rows * length * taps * hidden * hidden
-    flops = 0
+    flops = attention = 0
     masks = attention_masks(batch.blocks, settings)
     for index in range(config.num_hidden_layers):
         visible = int(masks[settings.layer_types[index]].sum())
         flops += 2 * queries * hidden * heads * head_dim  # q
         flops += 2 * 2 * keys * hidden * kv_heads * head_dim  # k, v over context and block
         flops += 2 * queries * heads * head_dim * hidden  # o
-        flops += 2 * 2 * heads * head_dim * visible  # scores and values over visible pairs
+        attention += 2 * 2 * heads * head_dim * visible  # scores and values over visible pairs
         flops += 3 * 2 * queries * hidden * inner  # SwiGLU
         groups = hidden // settings.conv_group_size
         kernel = settings.conv_kernel_size
@@ -61,4 +63,10 @@ def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
     lm_head = 2 * proposal_rows * hidden * vocab
     rank, top_k = settings.selector_rank, settings.selector_top_k
     selector = 2 * proposal_rows * hidden * rank + 2 * proposal_rows * top_k * hidden + 4 * proposal_rows * top_k * rank
-    return StepFlops(trainable_forward=flops, fc_forward=fc, lm_head_forward=lm_head, selector_forward=selector)
+    return StepFlops(
+        linear_forward=flops,
+        attention_forward=attention,
+        fc_forward=fc,
+        lm_head_forward=lm_head,
+        selector_forward=selector,
+    )

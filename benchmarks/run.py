@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     anchors = (8, 16) if args.quick else (64, 128, 256, 512, 1024)
     results["loss_head_memory"] = sweep("tiny" if args.quick else "smollm2", anchors, args.device)
     if not args.quick and not args.skip_spec:
-        results["spec_decode"] = bench_spec_decode()
+        results["spec_decode"] = bench_spec_decode(device=args.device)
     RESULTS.mkdir(exist_ok=True)
     output = Path(args.output) if args.output else RESULTS / f"{'quick' if args.quick else args.device}.json"
     output.write_text(json.dumps(results, indent=2))

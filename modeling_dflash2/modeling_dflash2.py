@@ -190,7 +190,7 @@ class DFlashAttention(nn.Module):
             past_len = past_key_values.get_seq_length(self.layer_idx)
             key, value = past_key_values.update(key, value, self.layer_idx)
         mask = self._layer_mask(attention_mask, position_ids, past_len, key.shape[-2], q_len)
-        attention = self._attention_function()
+        attention = self._attention_function(query.device)
         output, _ = attention(
             self,
             query,
@@ -223,10 +223,14 @@ class DFlashAttention(nn.Module):
         key_positions = torch.cat([past_positions, position_ids], dim=1)[:, -kv_len:]
         return block_visibility(position_ids[:, -q_len:], key_positions, self.block_causal, self.sliding_window)
 
-    def _attention_function(self):
+    def _attention_function(self, device: torch.device):
         implementation = self.config._attn_implementation or "sdpa"
         if implementation == "eager":
             return eager_attention_forward
+        if implementation == "flex_attention" and device.type == "cpu":
+            # torch 2.13's compiled CPU flex kernel returns wrong values when the sequence lengths are
+            # not multiples of its 128-token blocks (measured, even with a plain causal mask).
+            raise ValueError("attn_implementation='flex_attention' is for CUDA; use 'sdpa' or 'eager' on CPU.")
         if implementation.startswith("flash"):
             raise ValueError(
                 f"attn_implementation='{implementation}' cannot express DFlash block masks; "

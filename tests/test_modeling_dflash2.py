@@ -236,6 +236,9 @@ def test_input_validation_errors():
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="cannot express DFlash block masks"):
         flash(**inputs)
+    flash.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="flex_attention' is for CUDA"):
+        flash(**inputs)
 
 
 def test_draft_owns_no_embedding_and_no_head():

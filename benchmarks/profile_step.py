@@ -1,0 +1,71 @@
+"""Where a training step spends its time: torch.profiler over one optimized and one naive step.
+
+The GEMM share says how far any implementation can get ahead of another that does the same
+matrix products: python -m benchmarks.profile_step [smollm2|large]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import setups
+from benchmarks.naive import naive_step
+from trainer.objective import ObjectiveConfig, draft_objective
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+
+
+def _self_times(events) -> dict[str, float]:
+    return {event.key: event.self_cpu_time_total for event in events}
+
+
+def profile_steps(setup: setups.StepSetup, rows: int = 15) -> dict:
+    draft = setups.make_draft(setup).train()
+    batch = setups.synthetic_batch(setup)
+    config = ObjectiveConfig(num_anchors=setup.anchors, chunk_blocks=setup.chunk_blocks)
+
+    def optimized():
+        draft.zero_grad(set_to_none=True)
+        draft_objective(
+            draft,
+            batch.input_ids,
+            batch.loss_mask,
+            batch.target_hidden,
+            batch.embedding,
+            batch.head,
+            config,
+            draw=None,
+            anchors=batch.anchors,
+        ).loss.backward()
+
+    def naive():
+        draft.zero_grad(set_to_none=True)
+        naive_step(draft, batch, config)
+
+    report = {}
+    for name, step in (("optimized", optimized), ("naive", naive)):
+        step()  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            step()
+        events = profiler.key_averages()
+        times = _self_times(events)
+        total = sum(times.values())
+        gemm = sum(t for key, t in times.items() if key in GEMM_OPS)
+        report[name] = {
+            "total_ms": total / 1e3,
+            "gemm_ms": gemm / 1e3,
+            "gemm_share": gemm / total,
+            "table": events.table(sort_by="self_cpu_time_total", row_limit=rows),
+        }
+    return report
+
+
+if __name__ == "__main__":
+    chosen = {"smollm2": setups.smollm2_setup, "large": setups.large_setup}[
+        sys.argv[1] if len(sys.argv) > 1 else "smollm2"
+    ]
+    for name, part in profile_steps(chosen()).items():
+        print(f"== {name}: {part['total_ms']:.0f} ms, GEMM {part['gemm_ms']:.0f} ms ({part['gemm_share']:.0%})")
+        print(part["table"])

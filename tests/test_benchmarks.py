@@ -1,0 +1,77 @@
+"""The benchmark code, smoke-run on the tiny config (the benchmarks themselves are `make bench`)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks import run, setups
+from benchmarks.flops import step_flops
+from benchmarks.naive import naive_step
+from trainer.masks import attention_masks
+from trainer.objective import ObjectiveConfig, draft_objective, embed_draft_ids
+
+
+def test_flop_count_of_the_draft_layers_matches_torch_flop_counter():
+    setup = setups.tiny_setup()
+    batch = setups.synthetic_batch(setup)
+    draft = setups.make_draft(setup)
+    counted = step_flops(setup, batch)
+    blocks = batch.blocks
+    with FlopCounterMode(display=False) as counter:
+        draft(
+            position_ids=blocks.model_position_ids(),
+            noise_embedding=embed_draft_ids(batch.embedding, blocks.draft_ids, 1.0),
+            target_hidden=batch.target_hidden,
+            attention_mask=attention_masks(blocks, draft.dflash),
+        )
+    totals = counter.get_flop_counts()["Global"]
+    matmuls = sum(count for op, count in totals.items() if "attention" not in str(op))
+    assert matmuls == counted.fc_forward + counted.linear_forward - _conv_application(setup, batch)
+    assert counted.attention_forward > 0 and counted.model > 2 * counted.lm_head_forward
+
+
+def _conv_application(setup, batch) -> int:
+    """Elementwise tap products the count includes but FlopCounterMode (matmuls only) does not."""
+    config = setup.config
+    queries = batch.blocks.draft_ids.numel()
+    return config.num_hidden_layers * 2 * 2 * config.conv_kernel_size * 2 * queries * config.hidden_size
+
+
+def test_naive_reference_computes_the_same_loss():
+    setup = setups.tiny_setup()
+    batch = setups.synthetic_batch(setup)
+    draft = setups.make_draft(setup)
+    config = ObjectiveConfig(num_anchors=setup.anchors, chunk_blocks=setup.chunk_blocks)
+    result = draft_objective(
+        draft,
+        batch.input_ids,
+        batch.loss_mask,
+        batch.target_hidden,
+        batch.embedding,
+        batch.head,
+        config,
+        draw=None,
+        anchors=batch.anchors,
+    )
+    result.loss.backward()
+    fast_grads = {name: p.grad.clone() for name, p in draft.named_parameters()}
+    draft.zero_grad()
+    assert result.terms["coverage"][0] > 0  # the selector term is really exercised
+    assert abs(float(naive_step(draft, batch, config)) - float(result.loss)) < 1e-5
+    for name, parameter in draft.named_parameters():
+        torch.testing.assert_close(parameter.grad, fast_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_quick_run_writes_results(tmp_path, capsys):
+    output = tmp_path / "quick.json"
+    results = run.main(["--quick", "--device", "cpu", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    step = saved["train_step"][0]
+    assert step["losses_agree"] is True and 0 < step["mfu"] <= 1.5
+    assert saved["matmul_peak_gflop_per_second"] > 0
+    modes = {(m["anchors"], m["mode"]) for m in saved["loss_head_memory"]}
+    assert modes == {(8, "chunked"), (8, "unchunked"), (16, "chunked"), (16, "unchunked")}
+    assert "| anchors |" in capsys.readouterr().out and results["train_step"][0]["setup"].startswith("tiny")
