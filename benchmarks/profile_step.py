@@ -12,7 +12,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import setups
 from benchmarks.naive import naive_step
-from trainer.objective import ObjectiveConfig, draft_objective
+from benchmarks.train_step import optimized_step
+from trainer.objective import ObjectiveConfig
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 
@@ -26,26 +27,12 @@ def profile_steps(setup: setups.StepSetup, rows: int = 15) -> dict:
     batch = setups.synthetic_batch(setup)
     config = ObjectiveConfig(num_anchors=setup.anchors, chunk_blocks=setup.chunk_blocks)
 
-    def optimized():
-        draft.zero_grad(set_to_none=True)
-        draft_objective(
-            draft,
-            batch.input_ids,
-            batch.loss_mask,
-            batch.target_hidden,
-            batch.embedding,
-            batch.head,
-            config,
-            draw=None,
-            anchors=batch.anchors,
-        ).loss.backward()
-
     def naive():
         draft.zero_grad(set_to_none=True)
         naive_step(draft, batch, config)
 
     report = {}
-    for name, step in (("optimized", optimized), ("naive", naive)):
+    for name, step in (("optimized", lambda: optimized_step(draft, batch, config)), ("naive", naive)):
         step()  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             step()

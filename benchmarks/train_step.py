@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.flops import step_flops
 from benchmarks.naive import naive_step
-from benchmarks.setups import StepSetup, make_draft, synthetic_batch
+from benchmarks.setups import StepSetup, SyntheticBatch, make_draft, synthetic_batch
 from trainer.objective import ObjectiveConfig, draft_objective
 
 
@@ -34,6 +34,24 @@ def timed(function: Callable[[], object], device: str, warmup: int = 1, repeats:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def optimized_step(draft, batch: SyntheticBatch, config: ObjectiveConfig) -> torch.Tensor:
+    """The trainer's step: forward, objective, backward; returns the loss."""
+    draft.zero_grad(set_to_none=True)
+    result = draft_objective(
+        draft,
+        batch.input_ids,
+        batch.loss_mask,
+        batch.target_hidden,
+        batch.embedding,
+        batch.head,
+        config,
+        draw=None,
+        anchors=batch.anchors,
+    )
+    result.loss.backward()
+    return result.loss.detach()
 
 
 def matmul_peak(device: str = "cpu", dtype: torch.dtype = torch.float32, sizes=(1024, 2048, 3072)) -> float:
@@ -66,21 +84,8 @@ def bench_train_step(
     )
 
     def optimized():
-        draft.zero_grad(set_to_none=True)
         with autocast:
-            result = draft_objective(
-                draft,
-                batch.input_ids,
-                batch.loss_mask,
-                batch.target_hidden,
-                batch.embedding,
-                batch.head,
-                config,
-                draw=None,
-                anchors=batch.anchors,
-            )
-        result.loss.backward()
-        return result.loss.detach()
+            return optimized_step(draft, batch, config)
 
     seconds, loss = timed(optimized, device, repeats=repeats)
     flops = step_flops(setup, batch)
