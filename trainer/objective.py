@@ -10,9 +10,11 @@ and added over the base denominator with `alpha_eff`:
 with w_pos the position weight (decay or D-PACE), w_sel = w_pos on slots whose gold is a candidate,
 and the normaliser sum w * decay (CE) or sum w (D-PACE): see `loss_denominator`.
 
-The LM head and both losses run in chunks of blocks under activation checkpointing, so peak
-memory does not grow with N * B * V. Everything is returned as additive (numerator, denominator)
-pairs that pool exactly across chunks, micro-batches and ranks.
+The LM head runs in chunks of blocks, fused with the cross-entropy (`trainer.loss_head`: the
+gradient is formed in the forward pass, so no chunk's logits outlive it), and the selector term
+runs under activation checkpointing, so peak memory does not grow with N * B * V. Everything is
+returned as additive (numerator, denominator) pairs that pool exactly across chunks,
+micro-batches and ranks.
 """
 
 from __future__ import annotations
