@@ -108,5 +108,14 @@ def draft_inputs(
     }
 
 
+def rewrite_safetensors(directory: Path, edit) -> None:
+    """Apply `edit(tensors)` to a saved checkpoint's model.safetensors (to build broken checkpoints)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
 def load_fixture_json(name: str) -> Any:
     return json.loads((FIXTURES / name).read_text())

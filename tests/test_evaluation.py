@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.test_trainer import make_trainer
-from tests.tiny_target import tiny_conversations, tiny_draft_config_for, tiny_target
-from trainer.data import tokenize_conversations, truncate_and_filter
+from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.evaluation import evaluate_paths, prompt_ids, summarize
 from trainer.speculative import SpeculativeResult
 
@@ -51,8 +49,7 @@ def test_report_covers_both_paths_and_is_lossless(tiny):
 
 def test_callback_logs_eval_spec_tau(tmp_path):
     target = tiny_target()
-    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(12, seed=5)})
-    dataset = truncate_and_filter(tokenize_conversations(target.tokenizer, conversations), 48)
+    dataset = tiny_chat_dataset(target, 12, seed=5)
     trainer = make_trainer(
         target,
         dataset,

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
-from tests.conftest import draft_inputs, load_fixture_json, tiny_draft, tiny_v1_draft
+from tests.conftest import draft_inputs, load_fixture_json, rewrite_safetensors, tiny_draft, tiny_v1_draft
 
 EXPECTED_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32"}
@@ -147,12 +147,6 @@ def test_weight_spelled_codebooks_load(tmp_path):
         assert "candidate_selector.successor_codebook.weight" not in set(handle.keys())
 
 
-def _rewrite_tensors(directory: Path, edit) -> None:
-    tensors = load_file(directory / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize(
     ("dropped", "message"),
     [
@@ -166,18 +160,18 @@ def _rewrite_tensors(directory: Path, edit) -> None:
 )
 def test_incomplete_checkpoints_fail_loudly(tmp_path, dropped, message):
     directory = _save(tiny_draft(seed=7), tmp_path / "draft")
-    _rewrite_tensors(directory, lambda tensors: [tensors.pop(name) for name in dropped])
+    rewrite_safetensors(directory, lambda tensors: [tensors.pop(name) for name in dropped])
     with pytest.raises(ValueError, match=message):
         DFlash2DraftModel.from_pretrained(directory)
 
 
 def test_unexpected_and_misshaped_tensors_fail_loudly(tmp_path):
     directory = _save(tiny_draft(seed=8), tmp_path / "draft")
-    _rewrite_tensors(directory, lambda tensors: tensors.update({"embed_tokens.weight": torch.zeros(50, 32)}))
+    rewrite_safetensors(directory, lambda tensors: tensors.update({"embed_tokens.weight": torch.zeros(50, 32)}))
     with pytest.raises(ValueError, match=r"does not define: \['embed_tokens.weight'\]"):
         DFlash2DraftModel.from_pretrained(directory)
     directory = _save(tiny_draft(seed=8), tmp_path / "draft2")
-    _rewrite_tensors(directory, lambda tensors: tensors.update({"fc.weight": torch.zeros(32, 96)}))
+    rewrite_safetensors(directory, lambda tensors: tensors.update({"fc.weight": torch.zeros(32, 96)}))
     with pytest.raises(ValueError, match=r"wrong shape.*fc\.weight"):
         DFlash2DraftModel.from_pretrained(directory)
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from transformers import TrainerCallback
 
 from modeling_dflash2 import DFlash2DraftModel
-from tests.tiny_target import tiny_conversations, tiny_draft_config_for, tiny_target
+from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.arguments import DFlashTrainingArguments
-from trainer.data import DFlashCollator, OfflineDataset, prepare_features, tokenize_conversations, truncate_and_filter
+from trainer.data import DFlashCollator, OfflineDataset, prepare_features
 from trainer.trainer import DFlash2Trainer
 
 CHECKPOINT_FILES = {
@@ -36,8 +35,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def dataset(target):
-    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(24, seed=3)})
-    return truncate_and_filter(tokenize_conversations(target.tokenizer, conversations), 48)
+    return tiny_chat_dataset(target, 24, seed=3)
 
 
 def make_trainer(target, dataset, output_dir, seed=0, eval_dataset=None, **overrides) -> DFlash2Trainer:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from modeling_dflash2 import DFlashDraftModel
-from tests.conftest import draft_inputs, randomize
+from tests.conftest import draft_inputs, randomize, rewrite_safetensors
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.warm_start import warm_start
 
@@ -117,12 +117,6 @@ def test_block_size_change_only_when_the_recipe_says_so(tmp_path, recipe_config)
     assert model.block_size == 8
 
 
-def _rewrite(directory: Path, edit) -> None:
-    tensors = load_file(directory / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -134,6 +128,6 @@ def _rewrite(directory: Path, edit) -> None:
 )
 def test_key_problems_are_refused_naming_the_keys(tmp_path, recipe_config, edit, message):
     zlab_dflash2_dir(tmp_path / "zlab", recipe_config)
-    _rewrite(tmp_path / "zlab", edit)
+    rewrite_safetensors(tmp_path / "zlab", edit)
     with pytest.raises(ValueError, match=message):
         warm_start(tmp_path / "zlab", recipe_config)

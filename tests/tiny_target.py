@@ -151,3 +151,13 @@ def tiny_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
             [{"role": "user", "content": sentence(4)}, {"role": "assistant", "content": sentence(length)}]
         )
     return conversations
+
+
+def tiny_chat_dataset(target: FrozenTarget, count: int, seed: int = 0, max_length: int = 48):
+    """Tokenized tiny conversations with assistant loss masks, ready for a trainer."""
+    import datasets
+
+    from trainer.data import tokenize_conversations, truncate_and_filter
+
+    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(count, seed=seed)})
+    return truncate_and_filter(tokenize_conversations(target.tokenizer, conversations), max_length)
