@@ -115,8 +115,7 @@ def sample_anchors(
     if draw is None:
         keys = positions.expand(batch, -1).to(torch.int64)
     else:
-        if row_ids is None:
-            row_ids = torch.arange(batch, device=valid.device)
+        row_ids = torch.arange(batch, device=valid.device) if row_ids is None else row_ids.to(valid.device)
         keys = anchor_keys(draw, row_ids, length)
     keys = torch.where(valid, keys, _INT64_MAX)
     if length < num_anchors:

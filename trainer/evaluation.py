@@ -53,7 +53,8 @@ def evaluate_paths(
 ) -> dict[str, Any]:
     """Decode `prompts` with the target alone and with each draft along each path (drafts named in
     `skip_selector_for`, e.g. an untrained one whose selector is an exact no-op, run unary only)."""
-    generator = torch.Generator().manual_seed(seed)
+    device = target.get_input_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
     baseline = [
         target_generate(target, torch.tensor([p]), max_new_tokens, temperature, stop_token_ids, generator)
         for p in prompts

@@ -90,7 +90,7 @@ class DFlash2Trainer(Trainer):
         for micro_index, batch in enumerate(batch_samples):
             loss_mask = batch["loss_mask"]
             rows = loss_mask.shape[0]
-            row_ids = micro_index * self.args.per_device_train_batch_size + torch.arange(rows)
+            row_ids = micro_index * self.args.per_device_train_batch_size + torch.arange(rows, device=loss_mask.device)
             anchors, keep = sample_anchors(loss_mask, self.objective.num_anchors, draw, row_ids)
             blocks = build_blocks(
                 batch["input_ids"], loss_mask, anchors, keep, draft.dflash.block_size, draft.dflash.mask_token_id
