@@ -106,7 +106,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         }
         (Path(training_args.output_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(summary)
+    close_process_group(trainer)
     return after
+
+
+def close_process_group(trainer: DFlash2Trainer) -> None:
+    """Let every rank finish, then tear the process group down before interpreter exit.
+
+    Left to interpreter shutdown, gloo's threads can be destroyed while a faster rank is already gone,
+    which aborts that rank ("terminate called without an active exception") after a successful run.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 def print_summary(summary: dict) -> None:
