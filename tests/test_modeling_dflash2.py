@@ -279,7 +279,7 @@ def test_gradient_checkpointing_gives_identical_gradients():
     inputs = draft_inputs(tiny_config(), batch=2, context=5, blocks=2)
     plain = tiny_draft(seed=13).train()
     checkpointed = tiny_draft(seed=13).train()
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert all(layer.gradient_checkpointing for layer in checkpointed.layers)
     _selector_loss(plain, inputs).backward()
     _selector_loss(checkpointed, inputs).backward()
