@@ -17,6 +17,7 @@ import transformers
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.arguments import parse_arguments
 from trainer.data import DFlashCollator, build_datasets
+from trainer.distributed import close_process_group
 from trainer.target import FrozenTarget
 from trainer.trainer import DFlash2Trainer
 from trainer.warm_start import warm_start
@@ -108,17 +109,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print_summary(summary)
     close_process_group(trainer)
     return after
-
-
-def close_process_group(trainer: DFlash2Trainer) -> None:
-    """Let every rank finish, then tear the process group down before interpreter exit.
-
-    Left to interpreter shutdown, gloo's threads can be destroyed while a faster rank is already gone,
-    which aborts that rank ("terminate called without an active exception") after a successful run.
-    """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        trainer.accelerator.wait_for_everyone()
-        torch.distributed.destroy_process_group()
 
 
 def print_summary(summary: dict) -> None:

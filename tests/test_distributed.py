@@ -1,8 +1,9 @@
-"""Two processes on CPU (gloo): a tiny recipe end to end under DDP, and accelerate's FSDP2 path."""
+"""Two processes on CPU (gloo): a tiny recipe end to end under DDP, accelerate's FSDP2 path, clean teardown."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
@@ -26,6 +28,7 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert LEAKED_WRAPPER_WARNING not in result.stderr
     return result
 
 
@@ -82,3 +85,58 @@ def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
     saved = load_file(output / "model.safetensors")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
+
+
+class RecordingAccelerator:
+    """The two Accelerator calls close_process_group makes, recorded; it holds the wrapper like accelerate."""
+
+    def __init__(self, models: list) -> None:
+        self._models = models
+        self.barriers = 0
+
+    def wait_for_everyone(self) -> None:
+        self.barriers += 1
+        torch.distributed.barrier()
+
+    def free_memory(self) -> None:
+        self._models = []
+
+
+@pytest.fixture
+def single_rank_ddp(tmp_path):
+    """A real one-rank gloo group and a DDP-wrapped module; the group is always gone afterwards."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    module = torch.nn.Linear(3, 2)
+    objects = [module, torch.nn.parallel.DistributedDataParallel(module)]
+    objects[1](torch.ones(1, 3)).sum().backward()  # a finished allreduce, as after training
+    yield objects  # a list the test empties: this frame must not keep the wrapper alive
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_close_process_group_frees_the_wrapper_before_destroying_the_group(single_rank_ddp, caplog):
+    wrapper, module = single_rank_ddp.pop(), single_rank_ddp.pop()
+    accelerator = RecordingAccelerator([wrapper])
+    trainer = type("TrainerLike", (), {})()
+    trainer.model, trainer.model_wrapped, trainer.accelerator = module, wrapper, accelerator
+    del wrapper
+    assert live_ddp_wrappers() == 1
+    with caplog.at_level(logging.WARNING, logger="trainer.distributed"):
+        close_process_group(trainer)
+    assert accelerator.barriers == 1 and accelerator._models == []
+    assert trainer.model_wrapped is module
+    assert live_ddp_wrappers() == 0
+    assert not torch.distributed.is_initialized()
+    assert LEAKED_WRAPPER_WARNING not in caplog.text
+    close_process_group(trainer)  # no group: nothing to do, no error
+
+
+def test_close_process_group_warns_when_a_wrapper_is_still_referenced(single_rank_ddp, caplog):
+    module, wrapper = single_rank_ddp
+    trainer = type("TrainerLike", (), {})()
+    trainer.model, trainer.model_wrapped, trainer.accelerator = module, wrapper, RecordingAccelerator([wrapper])
+    with caplog.at_level(logging.WARNING, logger="trainer.distributed"):
+        close_process_group(trainer)  # `wrapper` is still held by this test
+    assert LEAKED_WRAPPER_WARNING in caplog.text
+    assert not torch.distributed.is_initialized()
