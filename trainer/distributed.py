@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ def live_ddp_wrappers() -> int:
     return sum(issubclass(type(obj), DistributedDataParallel) for obj in gc.get_objects())
 
 
-def close_process_group(trainer) -> None:
+def close_process_group(trainer: Trainer) -> None:
     """Barrier, free the trainer's DDP wrapper and the accelerator's references, destroy the group.
 
     Call once, at the very end of a run: the trainer cannot train again afterwards. Without an
