@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from tests.conftest import randomize
+from modeling_dflash2 import DFlash2DraftModel
+from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer import speculative
 from trainer.speculative import spec_generate, target_generate
@@ -120,28 +120,12 @@ def build_small_vocab_pair():
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(6)
-    draft_config = DFlash2Config(
-        architectures=["DFlash2DraftModel"],
-        hidden_size=32,
-        intermediate_size=64,
+    draft_config = tiny_config(
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        layer_types=["full_attention"],
         vocab_size=VOCAB,
         num_target_layers=3,
-        is_causal=False,
-        layer_types=["full_attention"],
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        dflash_config={
-            "block_size": 4,
-            "mask_token_id": 5,
-            "target_layer_ids": [0, 2],
-            "conv_kernel_size": 2,
-            "conv_group_size": 8,
-            "selector_rank": 4,
-            "selector_top_k": 3,
-        },
+        dflash_config=tiny_dflash_config(mask_token_id=5, target_layer_ids=[0, 2], selector_rank=4, selector_top_k=3),
     )
     draft = randomize(DFlash2DraftModel(draft_config), seed=4, scale=0.5)
     return target, draft

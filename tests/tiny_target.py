@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from modeling_dflash2 import DFlash2Config
+from tests.conftest import tiny_config_kwargs, tiny_dflash_config
 from trainer.target import FrozenTarget
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<mask>"]
@@ -106,33 +107,19 @@ def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> FrozenTa
 def tiny_draft_config_for(
     target: FrozenTarget, dflash: dict[str, Any] | None = None, **overrides: Any
 ) -> DFlash2Config:
-    dflash_config = {
-        "block_size": 4,
-        "mask_token_id": MASK_TOKEN_ID,
-        "target_layer_ids": [1, 2],
-        "conv_kernel_size": 2,
-        "conv_group_size": 8,
-        "selector_rank": 8,
-        "selector_top_k": 4,
-    }
-    dflash_config.update(dflash or {})
-    values: dict[str, Any] = {
-        "architectures": ["DFlash2DraftModel"],
-        "hidden_size": 32,
-        "intermediate_size": 64,
+    """The conftest tiny draft, one layer deep and sized to `target` (vocab rows, depth, mask token)."""
+    dflash_config = tiny_dflash_config(
+        **{"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": [1, 2], "selector_top_k": 4, **(dflash or {})}
+    )
+    values = {
         "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
+        "layer_types": ["full_attention"],
         "vocab_size": target.vocab_rows,
         "num_target_layers": target.num_layers,
-        "is_causal": False,
-        "layer_types": ["full_attention"],
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "dflash_config": dflash_config,
+        **overrides,
     }
-    values.update(overrides)
-    return DFlash2Config(**values)
+    return DFlash2Config(**tiny_config_kwargs(**values))
 
 
 def tiny_conversations(count: int, seed: int = 0) -> list[list[dict[str, str]]]:
