@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from modeling_dflash2 import DFlash2DraftModel
+from trainer.cli import run
 from trainer.data import chitchat_prompts, end_of_turn_ids, prompt_conversation
 from trainer.evaluation import evaluate_paths, plot_report
 from trainer.loading import load_draft
@@ -99,4 +100,4 @@ def print_report(report: dict, output: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

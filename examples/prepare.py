@@ -15,6 +15,7 @@ import torch
 from examples.train import DEFAULT_RECIPE, resolve_path
 from modeling_dflash2 import DFlash2Config
 from trainer.arguments import parse_arguments
+from trainer.cli import run
 from trainer.data import build_datasets
 from trainer.target import FrozenTarget
 
@@ -31,4 +32,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -2,6 +2,8 @@
 
 With no arguments it runs the embedded default recipe (examples/recipes/smollm2-135m-chitchat.yaml):
 SmolLM2-135M-Instruct as the target, chitchat prompts answered by the target, CPU-sized settings.
+SIGTERM / SIGINT save a checkpoint and exit with 128 + the signal; `--resume_from_checkpoint true`
+continues from the newest complete checkpoint. `--debug` shows tracebacks of user errors.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -16,8 +19,11 @@ import transformers
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.arguments import parse_arguments
+from trainer.cli import run
 from trainer.data import DFlashCollator, build_datasets
 from trainer.distributed import close_process_group
+from trainer.fileio import require_existing_path, write_file_atomically
+from trainer.preemption import TrainingInterrupted
 from trainer.target import FrozenTarget
 from trainer.trainer import DFlash2Trainer
 from trainer.warm_start import warm_start
@@ -27,10 +33,13 @@ DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
 
 
-def resolve_path(path: str) -> Path:
+def resolve_path(path: str, what: str = "draft_config") -> Path:
     """Recipe paths are relative to the working directory, else to the repository root."""
-    candidate = Path(path)
-    return candidate if candidate.exists() or candidate.is_absolute() else REPO / candidate
+    candidate = Path(path).expanduser()
+    for found in (candidate, REPO / candidate):
+        if found.is_file():
+            return found
+    raise FileNotFoundError(f"{what}: {path} does not exist (looked in the working directory and in {REPO})")
 
 
 def build_draft(model_args):
@@ -38,7 +47,7 @@ def build_draft(model_args):
     if model_args.draft_config:
         config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
     elif model_args.init_from:
-        config = DFlash2Config.from_pretrained(model_args.init_from)
+        config = DFlash2Config.from_pretrained(require_existing_path(model_args.init_from, "init_from"))
         if not config.is_dflash2:
             raise ValueError("init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules.")
     else:
@@ -89,11 +98,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args=training_args,
         target=target,
         target_hub_id=model_args.target_hub_id,
+        recipe={"model_arguments": asdict(model_args), "data_arguments": asdict(data_args)},
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DFlashCollator(pad_id),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.preemption.stopped_at_step is not None:
+        close_process_group(trainer)
+        checkpoint = trainer.last_checkpoint
+        raise TrainingInterrupted(
+            trainer.preemption.signum, trainer.preemption.stopped_at_step, str(checkpoint) if checkpoint else None
+        )
     after = trainer.evaluate() if eval_dataset is not None else {}
     trainer.save_model()  # after the final evaluation, so a push carries its numbers
     trainer.save_state()
@@ -105,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             "untrained": {key: before[key] for key in SUMMARY_KEYS if key in before},
             "trained": {key: after[key] for key in SUMMARY_KEYS if key in after},
         }
-        (Path(training_args.output_dir) / "demo_summary.json").write_text(json.dumps(summary, indent=2))
+        summary_file = Path(training_args.output_dir) / "demo_summary.json"
+        write_file_atomically(summary_file, lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
         print_summary(summary)
     close_process_group(trainer)
     return after
@@ -123,4 +140,4 @@ def print_summary(summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

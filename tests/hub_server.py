@@ -3,7 +3,9 @@
 Implements the routes huggingface_hub 2.x uses to create a repo, commit files ("regular"
 uploads, inlined as base64), read repo info and trees, and download files. A commit is applied
 atomically only once its whole NDJSON body has been read and checked, so a failed request leaves
-the previous revision untouched. `fail_next_commit` makes the next commit fail (for retry tests).
+the previous revision untouched. `fail_next_commit` makes the next commit fail (for retry tests):
+True answers HTTP 500, an int answers that status, "drop" closes the connection without an answer.
+`requests` lists every request ("METHOD path"), to show when the Hub was never contacted.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class HubState:
     def __init__(self):
         self.repos: dict[str, Repo] = {}
         self.lock = threading.Lock()
-        self.fail_next_commit = False
+        self.fail_next_commit: bool | int | str = False
         self.authorizations: list[str] = []
+        self.requests: list[str] = []
 
 
 def _git_sha(files: dict[str, bytes], message: str) -> str:
@@ -73,7 +76,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
         return repo
 
-    def _record_auth(self):
+    def _record_request(self):
+        self.state.requests.append(f"{self.command} {self.path}")
         auth = self.headers.get("Authorization")
         if auth:
             self.state.authorizations.append(auth)
@@ -81,7 +85,7 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes ---------------------------------------------------------------------------------
 
     def do_POST(self):
-        self._record_auth()
+        self._record_request()
         path = urlparse(self.path).path
         body = self._body()
         parts = [unquote(p) for p in path.strip("/").split("/")]
@@ -116,9 +120,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _commit(self, repo_id: str, repo: Repo, body: bytes):
         with self.state.lock:
-            if self.state.fail_next_commit:
-                self.state.fail_next_commit = False
-                self._json(500, {"error": "injected failure"})
+            failure, self.state.fail_next_commit = self.state.fail_next_commit, False
+            if failure == "drop":
+                self.close_connection = True  # the body was read; close the socket without answering
+                return
+            if failure:
+                self._json(500 if failure is True else int(failure), {"error": "injected failure"})
                 return
             files = dict(repo.files)
             header = None
@@ -155,7 +162,7 @@ class Handler(BaseHTTPRequestHandler):
         self._get(head=True)
 
     def _get(self, head: bool):
-        self._record_auth()
+        self._record_request()
         path = urlparse(self.path).path
         parts = [unquote(p) for p in path.strip("/").split("/")]
         if len(parts) >= 4 and parts[0] == "api" and parts[1] == "models":

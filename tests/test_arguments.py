@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -34,6 +35,141 @@ def test_flags_alone_and_bad_keys(tmp_path):
     bad.write_text(yaml.safe_dump({"target": "t", "draft_config": "d", "output_dir": "o", "num_anchor": 3}))
     with pytest.raises(ValueError, match="num_anchor"):
         parse_arguments([str(bad)])
+
+
+def _parse(tmp_path: Path, recipe: str | None, flags: list[str]):
+    """A recipe (target and output_dir plus `recipe` lines) with `flags` after it, or, for None, flags alone."""
+    if recipe is None:
+        return parse_arguments(["--target", "t", "--output_dir", str(tmp_path / "out"), *flags])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"target: t\noutput_dir: {tmp_path / 'out'}\n{recipe}\n")
+    return parse_arguments([str(path), *flags])
+
+
+def _field(arguments, name: str):
+    return next(getattr(group, name) for group in arguments if name in {f.name for f in dataclasses.fields(group)})
+
+
+def _case_id(value) -> str | None:
+    """Test ids show the recipe lines and flags of each case."""
+    if isinstance(value, list):
+        return " ".join(value) or "no flags"
+    if isinstance(value, str):
+        return value.replace("\n", "; ") or "no recipe lines"
+    return None
+
+
+def _types(value):
+    """The value's type, with those of its elements: 1 == 1.0 == True, but an int is not the float asked for."""
+    if isinstance(value, list):
+        return [_types(element) for element in value]
+    if isinstance(value, dict):
+        return {key: _types(element) for key, element in value.items()}
+    return type(value)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "expected"),
+    [
+        ("learning_rate: 1e-3", [], {"learning_rate": 0.001}),  # YAML 1.1 reads 1e-3 (no dot) as a string
+        ("learning_rate: 0.001", ["--learning_rate", "1e-4"], {"learning_rate": 1e-4}),
+        ("learning_rate: 1\nwarmup_steps: 5e-2", [], {"learning_rate": 1.0, "warmup_steps": 0.05}),
+        ('regenerate: "false"\noffline: "On"', [], {"regenerate": False, "offline": True}),
+        ("regenerate: true", ["--regenerate", "0"], {"regenerate": False}),
+        ("regenerate: true", ["--no_regenerate"], {"regenerate": False}),  # HfArgumentParser's --no_<bool>
+        ('num_eval_samples: "3"\nmax_steps: 1e3', [], {"num_eval_samples": 3, "max_steps": 1000}),
+        ("max_steps: 2.0", ["--num_anchors=8"], {"max_steps": 2, "num_anchors": 8}),
+        (
+            "gamma: null\nreport_to: none\nenable_thinking: 'no'",
+            [],
+            {"gamma": None, "report_to": [], "enable_thinking": False},
+        ),
+        ("eval_steps: '5'\nnum_train_samples: '64'", [], {"eval_steps": 5.0, "num_train_samples": 64}),
+        ("lora_target_modules: q_proj", [], {"lora_target_modules": ["q_proj"]}),
+        ("", ["--lora_target_modules", "q_proj", "v_proj"], {"lora_target_modules": ["q_proj", "v_proj"]}),
+        (
+            "",
+            ["--report_to", "tensorboard", "--dataset_split", "1"],
+            {"report_to": ["tensorboard"], "dataset_split": "1"},
+        ),
+        ("", ["--system_prompt", "Note: be brief"], {"system_prompt": "Note: be brief"}),
+        ("", ["--resume_from_checkpoint", "true"], {"resume_from_checkpoint": True}),  # Trainer.train: the newest
+        ("resume_from_checkpoint: out/checkpoint-3", [], {"resume_from_checkpoint": "out/checkpoint-3"}),
+        ("fsdp: true\nlog_level: info", [], {"fsdp": True, "log_level": "info"}),  # HF's help: `fsdp=True`
+        (
+            "liger_kernel_config: {rope: 'true', swiglu: off}",
+            [],
+            {"liger_kernel_config": {"rope": True, "swiglu": False}},
+        ),
+        (
+            None,
+            ["--offline", "--num_anchors", "1e1", "--learning_rate", "2e-4"],
+            {"offline": True, "num_anchors": 10, "learning_rate": 2e-4},
+        ),
+    ],
+    ids=_case_id,
+)
+def test_values_are_converted_to_their_field_types(tmp_path, recipe, flags, expected):
+    arguments = _parse(tmp_path, recipe, flags)
+    actual = {name: _field(arguments, name) for name in expected}
+    assert actual == expected and _types(actual) == _types(expected)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flags", "message"),
+    [
+        ("max_steps: four", [], "recipe field max_steps: 'four' is not an int"),
+        ("max_steps: true", [], "recipe field max_steps: True is not an int"),
+        ("max_steps: 2.5", [], "recipe field max_steps: 2.5 is not an int"),
+        ("", ["--max_steps"], "argument --max_steps: True is not an int"),
+        ("", ["--max_steps", "four"], "argument --max_steps: 'four' is not an int"),
+        (None, ["--max_steps", "four"], "argument --max_steps: 'four' is not an int"),
+        ("learning_rate: fast", [], "recipe field learning_rate: 'fast' is not a float"),
+        ("learning_rate: .nan", [], "recipe field learning_rate: nan is not a float"),
+        ("learning_rate: yes", [], "recipe field learning_rate: True is not a float"),
+        ("regenerate: maybe", [], "recipe field regenerate: 'maybe' is not a bool (true/false)"),
+        ("regenerate: 2", [], "recipe field regenerate: 2 is not a bool (true/false)"),
+        ("num_train_samples: many", [], "recipe field num_train_samples: 'many' is not an int or null"),
+        ("dataset: [a, b]", [], "recipe field dataset: ['a', 'b'] is not a str"),
+        (None, ["--log_level", "verbose"], "argument --log_level: 'verbose' is not one of 'detail', 'debug', "),
+        (
+            "lora_target_modules: [q_proj, {a: 1}]",
+            [],
+            "recipe field lora_target_modules: ['q_proj', {'a': 1}] is not a list of str",
+        ),
+        ("report_to: false", [], "recipe field report_to: False is not a str, a list of str or null (YAML reads"),
+        ("optim: no", [], "recipe field optim: False is not one of 'adamw_torch', "),
+        ("", ["--optim", "adam_w"], "argument --optim: 'adam_w' is not one of 'adamw_torch', "),
+        (
+            "eval_strategy: sometimes",
+            [],
+            "recipe field eval_strategy: 'sometimes' is not one of 'no', 'steps', 'epoch'",
+        ),
+        (
+            "liger_kernel_config: {rope: maybe}",
+            [],
+            "recipe field liger_kernel_config: {'rope': 'maybe'} is not a dict of str to bool or null",
+        ),
+    ],
+    ids=_case_id,
+)
+def test_values_that_do_not_fit_their_field_are_refused_in_one_line(tmp_path, recipe, flags, message):
+    with pytest.raises(ValueError) as refused:
+        _parse(tmp_path, recipe, flags)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_yaml_boolean_for_a_word_says_to_quote_it(tmp_path):
+    with pytest.raises(ValueError, match=r"recipe field optim: False .*quote the word"):
+        _parse(tmp_path, "optim: no", [])
+
+
+def test_flags_alone_need_the_required_fields_and_keep_help(capsys):
+    with pytest.raises(ValueError, match=r"missing required argument.*target"):
+        parse_arguments(["--max_steps", "3"])
+    with pytest.raises(SystemExit) as exited:
+        parse_arguments(["--help"])
+    assert exited.value.code == 0 and "--learning_rate" in capsys.readouterr().out
 
 
 def test_objective_settings_are_validated_in_the_arguments(tmp_path):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import datasets
 import pytest
 import torch
+import yaml
 
+from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_conversations, tiny_target
 from trainer import data as data_module
 from trainer.arguments import DataArguments
@@ -89,8 +92,8 @@ def test_truncate_and_filter_drops_samples_without_anchor(caplog):
     result = truncate_and_filter(dataset, max_length=3)
     assert result["input_ids"] == [[5, 6, 7]]
     assert "Dropped 2 of 3 samples" in caplog.text
-    with pytest.raises(ValueError, match="No sample has a valid anchor"):
-        truncate_and_filter(dataset.select([1]), max_length=4)
+    with pytest.raises(ValueError, match=r"^chat\.jsonl: none of the 1 samples has a valid anchor"):
+        truncate_and_filter(dataset.select([1]), max_length=4, name="chat.jsonl")
 
 
 def test_regenerated_responses_are_the_targets_own_greedy_tokens(target, tmp_path, monkeypatch):
@@ -183,3 +186,176 @@ def test_chitchat_prompts_are_the_first_messages():
     prompts = data_module.chitchat_prompts()
     assert len(prompts) > 7000
     assert prompts[0] == "Hello How are you doing today?"
+
+
+# ---------------------------------------------------------------------------------------------
+# User data that cannot be trained on is refused with one line naming the file, row and field
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny setup of the multi-process tests: a target, draft config, chat.jsonl and recipe."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    write_tiny_run(root)
+    return root
+
+
+def recipe_data_arguments(root, **overrides) -> DataArguments:
+    """The tiny recipe's data arguments, as train.py reads them, with `overrides`."""
+    recipe = yaml.safe_load((root / "recipe.yaml").read_text())
+    names = {field.name for field in dataclasses.fields(DataArguments)}
+    return DataArguments(**{key: value for key, value in recipe.items() if key in names} | overrides)
+
+
+def refusal(args, target, error=ValueError) -> str:
+    """The message `build_datasets` refuses `args` with."""
+    with pytest.raises(error) as caught:
+        build_datasets(args, target, [1, 2])
+    return str(caught.value)
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    return str(path)
+
+
+def test_the_tiny_recipe_builds(tiny_run, target):
+    train, evaluation = build_datasets(recipe_data_arguments(tiny_run), target, [1, 2])
+    assert len(train) == 20 and len(evaluation) == 4
+
+
+@pytest.mark.parametrize(("name", "content"), [("chat.jsonl", ""), ("chat.jsonl", "\n \n"), ("chat.json", "[]")])
+def test_an_empty_dataset_file_is_named(tiny_run, target, tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    args = recipe_data_arguments(tiny_run, dataset=str(path))
+    assert refusal(args, target) == f"dataset {path} has no rows"
+
+
+def test_an_empty_parquet_file_is_named(tiny_run, target, tmp_path):
+    path = tmp_path / "chat.parquet"
+    datasets.Dataset.from_dict({"messages": tiny_conversations(1)}).select([]).to_parquet(str(path))
+    assert refusal(recipe_data_arguments(tiny_run, dataset=str(path)), target) == f"dataset {path} has no rows"
+
+
+def test_a_top_level_json_scalar_is_named(tiny_run, target, tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text("\nnull\n")  # crashes the datasets JSON reader
+    args = recipe_data_arguments(tiny_run, dataset=str(path))
+    assert refusal(args, target) == f"dataset {path}: line 2 does not start a JSON object or array"
+
+
+def test_a_dataset_whose_rows_are_all_filtered_is_named(tiny_run, target, tmp_path):
+    user_only = [{"messages": messages[:1]} for messages in tiny_conversations(24)]
+    path = write_rows(tmp_path / "chat.jsonl", user_only)
+    assert refusal(recipe_data_arguments(tiny_run, dataset=path), target) == (
+        f"dataset {path} (train): none of the 20 samples has a valid anchor (two adjacent supervised tokens) "
+        "after truncation to max_length=48"
+    )
+    long_prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": "hello how are you"}] * 3)
+    args = recipe_data_arguments(
+        tiny_run, dataset=long_prompts, regenerate=True, num_eval_samples=0, max_prompt_length=4
+    )
+    assert refusal(args, target) == (
+        f"dataset {long_prompts} (train): none of the 3 prompts fits in max_prompt_length=4 tokens"
+    )
+
+
+def test_sample_counts_that_leave_nothing_are_refused_up_front(tiny_run, target, monkeypatch):
+    monkeypatch.setattr(data_module, "tokenize_conversations", lambda *a, **k: pytest.fail("tokenized"))
+    chat = str(tiny_run / "chat.jsonl")
+    for count in (24, 50):
+        args = recipe_data_arguments(tiny_run, num_eval_samples=count)
+        assert refusal(args, target) == (
+            f"num_eval_samples={count} holds out every one of the 24 samples of {chat}: set it below 24"
+        )
+    assert refusal(recipe_data_arguments(tiny_run, num_eval_samples=-1), target) == "num_eval_samples=-1 must be >= 0"
+    assert refusal(recipe_data_arguments(tiny_run, num_train_samples=0), target) == (
+        "num_train_samples=0 must be positive (unset it to train on every sample)"
+    )
+
+
+@pytest.mark.parametrize(("name", "line"), [("chat.jsonl", 2), ("chat.json", 3)])
+def test_non_utf8_json_is_named_by_line_and_column(tiny_run, target, tmp_path, name, line):
+    rows = [json.dumps({"messages": messages}).encode() for messages in tiny_conversations(3)]
+    rows[1] = rows[1].replace(b'"user"', b'"\xe9ser"')  # Latin-1, not UTF-8
+    column = rows[1].index(b"\xe9") + 1
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(rows) if name.endswith(".jsonl") else b"[\n" + b",\n".join(rows) + b"\n]")
+    args = recipe_data_arguments(tiny_run, dataset=str(path), num_eval_samples=0)
+    assert refusal(args, target) == f"dataset {path}: line {line} is not valid UTF-8 (byte 0xe9 at column {column})"
+
+
+def test_parquet_is_not_checked_for_utf8(tiny_run, target, tmp_path):
+    path = tmp_path / "chat.parquet"
+    datasets.Dataset.from_dict({"messages": tiny_conversations(24)}).to_parquet(str(path))
+    with pytest.raises(UnicodeDecodeError):
+        path.read_bytes().decode("utf-8")  # a binary format
+    train, evaluation = build_datasets(recipe_data_arguments(tiny_run, dataset=str(path)), target, [1, 2])
+    assert len(train) == 20 and len(evaluation) == 4
+
+
+def _break_message(row: int, index: int, edit):
+    conversations = tiny_conversations(24)
+    edit(conversations[row][index])
+    return [{"messages": messages} for messages in conversations]
+
+
+@pytest.mark.parametrize("regenerate", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "problem"),
+    [
+        (_break_message(3, 1, lambda m: m.pop("content")), "row 3: message 1 has no 'content'"),
+        (_break_message(5, 0, lambda m: m.update(content=None)), "row 5: message 0 has no 'content'"),
+        (_break_message(2, 0, lambda m: m.update(content=7)), "row 2: message 0 has a int 'content', not a string"),
+        (_break_message(0, 1, lambda m: m.pop("role")), "row 0: message 1 has no 'role'"),
+        (
+            _break_message(7, 0, lambda m: m.update(role="human")),
+            "row 7: message 0 has unknown role 'human' (known: system, developer, user, assistant, tool, ipython, "
+            "function)",
+        ),
+        ([{"messages": m} for m in tiny_conversations(23)] + [{"messages": None}], "row 23: 'messages' is null"),
+    ],
+)
+def test_a_row_a_template_cannot_render_is_named(tiny_run, target, tmp_path, rows, problem, regenerate):
+    path = write_rows(tmp_path / "chat.jsonl", rows)
+    args = recipe_data_arguments(tiny_run, dataset=path, regenerate=regenerate)
+    assert refusal(args, target) == f"dataset {path} {problem}"
+
+
+def test_a_conversation_with_nothing_to_regenerate_from_is_named(tiny_run, target, tmp_path):
+    rows = [{"messages": messages} for messages in tiny_conversations(24)]
+    rows[5]["messages"] = rows[5]["messages"][1:]
+    path = write_rows(tmp_path / "chat.jsonl", rows)
+    assert refusal(recipe_data_arguments(tiny_run, dataset=path, regenerate=True), target) == (
+        f"dataset {path} row 5: a conversation starts with an assistant turn: nothing to regenerate from"
+    )
+
+
+@pytest.mark.parametrize(("prompt", "problem"), [(None, "'prompt' is null"), (3, "'prompt' is a int, not a string")])
+def test_a_prompt_that_is_not_a_string_is_named(tiny_run, target, tmp_path, prompt, problem):
+    path = write_rows(tmp_path / "prompts.jsonl", [{"prompt": "hi"}, {"prompt": prompt}, {"prompt": "hello"}])
+    args = recipe_data_arguments(tiny_run, dataset=path, regenerate=True, num_eval_samples=1)
+    assert refusal(args, target) == f"dataset {path} row 1: {problem}"
+
+
+@pytest.mark.parametrize("spec", ["./data/chat.jsonl", "/data/x", "runs/my/data", "chat.jsonl"])
+def test_a_missing_local_dataset_is_named(tiny_run, target, tmp_path, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)
+    args = recipe_data_arguments(tiny_run, dataset=spec)
+    assert refusal(args, target, FileNotFoundError) == f"dataset: local path {spec} does not exist"
+
+
+@pytest.mark.parametrize("spec", ["org/chat", "chat"])
+def test_a_hub_dataset_id_still_goes_to_the_hub(tiny_run, target, tmp_path, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)
+    asked = []
+
+    def from_hub(name, split):
+        asked.append((name, split))
+        return datasets.Dataset.from_dict({"messages": tiny_conversations(24)})
+
+    monkeypatch.setattr(datasets, "load_dataset", from_hub)
+    train, _ = build_datasets(recipe_data_arguments(tiny_run, dataset=spec), target, [1, 2])
+    assert asked == [(spec, "train")] and len(train) == 20

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.export import (
     EXPORT_FILES,
     PLOT_FILE,
+    RECIPE_FILE,
     ExportValidationError,
     TargetDimensions,
     contract_violations,
@@ -220,15 +224,100 @@ def test_export_from_training_checkpoint_and_bare_safetensors(tmp_path, target, 
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in draft.state_dict().items())
 
 
-def test_training_record_strips_secrets(tmp_path):
-    from trainer.arguments import DFlashTrainingArguments
-
-    args = DFlashTrainingArguments(output_dir=str(tmp_path), hub_token="hf_abcdef_secret")
-    torch.save(args, tmp_path / "training_args.bin")
+def test_training_record_reads_the_json_recipe_and_strips_secrets(tmp_path):
+    recipe = {
+        "format": "dflash2-hub recipe",
+        "model_arguments": {"target": "org/tiny-target", "init_from": None},
+        "training_arguments": {"learning_rate": 0.001, "hub_token": "hf_abcdef_secret", "push_to_hub_token": "x"},
+    }
+    (tmp_path / RECIPE_FILE).write_text(json.dumps(recipe))
     (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": [EVALUATION]}))
     record = training_record(tmp_path)
     assert record["global_step"] == 3 and record["evaluation"]["eval_tau_walk"] == 2.75
+    assert record["model_arguments"]["target"] == "org/tiny-target"
+    assert record["training_arguments"] == {"learning_rate": 0.001}
     assert "hf_abcdef_secret" not in json.dumps(record)
+
+
+class Payload:
+    """Unpickling this runs `touch`: what a crafted training_args.bin from a stranger does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_exporting_a_strangers_checkpoint_never_unpickles_its_training_args(tmp_path, target, draft, caplog):
+    checkpoint = tmp_path / "checkpoint"
+    draft.save_pretrained(checkpoint)
+    marker = tmp_path / "payload-ran"
+    (checkpoint / "training_args.bin").write_bytes(pickle.dumps(Payload(marker)))
+    with caplog.at_level(logging.WARNING, logger="trainer.export"):
+        record = training_record(checkpoint)
+    assert not marker.exists() and record == {}
+    assert f"has no {RECIPE_FILE}; its training_args.bin is a pickle and is not read" in caplog.text
+    export_draft(load_trained_draft(checkpoint), tmp_path / "export", target=_dims(target), record=record)
+    assert not marker.exists()
+
+
+@pytest.fixture
+def run_with_checkpoint(tmp_path, draft):
+    """outputs/run holding checkpoint-4 (with its optimizer state) and the final draft."""
+    run = tmp_path / "run"
+    draft.save_pretrained(run / "checkpoint-4")
+    (run / "checkpoint-4" / "optimizer.pt").write_bytes(b"optimizer state")
+    draft.save_pretrained(run)
+    return run
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("run", "export output .*run is or holds the checkpoint .*checkpoint-4: choose another folder"),
+        ("run/checkpoint-4", "export output .*checkpoint-4 is or holds the checkpoint"),
+        ("run/checkpoint-4/export", "export output .*export lies inside the checkpoint .*checkpoint-4"),
+        (".", "is or holds the checkpoint"),
+    ],
+)
+def test_overwrite_never_replaces_the_source_or_the_run_holding_it(
+    tmp_path, target, draft, run_with_checkpoint, output, message
+):
+    before = _tree(run_with_checkpoint)
+    with pytest.raises(ValueError, match=message):
+        export_draft(
+            draft,
+            tmp_path / output,
+            target=_dims(target),
+            overwrite=True,
+            source=run_with_checkpoint / "checkpoint-4",
+        )
+    assert _tree(run_with_checkpoint) == before
+
+
+def test_overwrite_replaces_only_an_earlier_export_and_keeps_the_users_siblings(tmp_path, target, draft):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"notes is not an earlier export .* choose another folder"):
+        export_draft(draft, other, target=_dims(target), overwrite=True)
+    assert (other / "todo.txt").read_text() == "mine"
+    with pytest.raises(FileExistsError, match=r"set overwrite=True \(--overwrite\) to replace it"):
+        export_draft(draft, other, target=_dims(target))
+    out = export_draft(draft, tmp_path / "export", target=_dims(target))
+    for sibling in ("export.old", "export.new"):  # the user's own folders, named like a naive backup
+        (tmp_path / sibling).mkdir()
+        (tmp_path / sibling / "keep.txt").write_text(sibling)
+    export_draft(randomize(draft, seed=1), out, target=_dims(target), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "export.new", "export.old", "notes"]
+    assert (tmp_path / "export.old" / "keep.txt").read_text() == "export.old"
+    assert (tmp_path / "export.new" / "keep.txt").read_text() == "export.new"
+    assert load_trained_draft(out).state_dict().keys() == draft.state_dict().keys()
 
 
 def test_target_dimensions_from_a_local_target(tmp_path, target):

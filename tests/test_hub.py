@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.hub_server import LoopbackHub
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.export import TargetDimensions, export_draft
-from trainer.hub import check_export_folder
+from trainer.export import PROVENANCE_FILE, ExportValidationError, TargetDimensions, export_draft
+from trainer.hub import check_export_folder, validate_export_folder
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTtoken_0123456789abcdef"
@@ -25,6 +27,15 @@ TOKEN = "hf_TESTtoken_0123456789abcdef"
 
 def run_client(script: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """huggingface_hub reads its endpoint at import: run the client in a fresh process."""
+    return _run([sys.executable, "-c", textwrap.dedent(script), *args], hub, tmp_path)
+
+
+def run_example(name: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """An examples/ script run as users run it: `python examples/NAME ARGS`."""
+    return _run([sys.executable, str(REPO / "examples" / name), *args], hub, tmp_path)
+
+
+def _run(command: list[str], hub: LoopbackHub, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(
         HF_ENDPOINT=hub.endpoint,
@@ -37,7 +48,7 @@ def run_client(script: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> sub
         OMP_NUM_THREADS="1",
     )
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
+        command,
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -126,6 +137,118 @@ def test_raw_checkpoints_are_never_published(tmp_path):
     torch.save({}, tmp_path / "checkpoint" / "optimizer.pt")
     with pytest.raises(ValueError, match="not an export folder"):
         check_export_folder(tmp_path / "checkpoint")
+    with pytest.raises(ExportValidationError, match="not an export folder"):
+        validate_export_folder(tmp_path / "checkpoint")
+
+
+def test_export_py_push_failure_keeps_the_export_and_publish_py_retries_it(tmp_path):
+    target = tiny_target()
+    target.model.save_pretrained(tmp_path / "target")
+    randomize(DFlash2DraftModel(tiny_draft_config_for(target)), seed=0).save_pretrained(tmp_path / "checkpoint")
+    out = tmp_path / "export"
+    export_args = (str(tmp_path / "checkpoint"), str(out), "--target", str(tmp_path / "target"))
+    export_args += ("--push-to-hub", "org/draft")
+    with LoopbackHub() as hub:
+        hub.state.fail_next_commit = 500
+        failed = run_example("export.py", hub, tmp_path, *export_args)
+        assert failed.returncode != 0
+        message = failed.stderr.strip().splitlines()[-1]
+        assert "push to org/draft failed (" in message, message
+        assert "500 Internal Server Error" in message
+        retry = f"retry with python examples/publish.py {out} org/draft"
+        assert message.endswith(f"; the export at {out} is complete: {retry}"), message
+        validate_export_folder(out)  # complete and valid: the retry needs no re-export
+        repo = hub.state.repos["org/draft"]
+        assert repo.sha is None and repo.commits == [] and repo.files == {}
+
+        retried = run_example("publish.py", hub, tmp_path, str(out), "org/draft")
+        assert retried.returncode == 0, retried.stderr[-3000:]
+        assert len(repo.commits) == 1 and repo.files == {path.name: path.read_bytes() for path in out.iterdir()}
+        assert f"published {hub.endpoint}/org/draft/commit/{repo.sha}" in retried.stdout
+
+
+@pytest.mark.parametrize("failure", [401, "drop"], ids=["unauthorized", "dropped-connection"])
+def test_publish_py_failure_names_the_retry_and_the_retry_publishes_one_commit(tmp_path, exported, failure):
+    _, folder = exported
+    command = (str(folder), "org/draft", "--private", "--commit-message", "Draft v2")
+    with LoopbackHub() as hub:
+        hub.state.fail_next_commit = failure
+        failed = run_example("publish.py", hub, tmp_path, *command)
+        assert failed.returncode != 0
+        message = failed.stderr.strip().splitlines()[-1]
+        assert "push to org/draft failed (" in message, message
+        retry = f"retry with python examples/publish.py {folder} org/draft --private --commit-message 'Draft v2'"
+        assert message.endswith(retry), message
+        repo = hub.state.repos["org/draft"]
+        assert repo.sha is None and repo.files == {}
+
+        retried = run_example("publish.py", hub, tmp_path, *command)
+        assert retried.returncode == 0, retried.stderr[-3000:]
+        assert repo.private and len(repo.commits) == 1
+        assert repo.files == {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def _edit_json(path: Path, edit) -> None:
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+def _edit_tensors(path: Path, edit) -> None:
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+TAMPERINGS = {
+    "extra-file": (lambda f: torch.save({}, f / "optimizer.pt"), "not an export folder"),
+    "missing-file": (lambda f: (f / "config.json").unlink(), r"missing \['config.json'\]"),
+    "config-not-json": (lambda f: (f / "config.json").write_text("{"), "config.json is not valid JSON"),
+    "config-missing-key": (lambda f: _edit_json(f / "config.json", lambda c: c.pop("hidden_size")), "hidden_size"),
+    "mask-token-out-of-vocab": (
+        lambda f: _edit_json(f / "config.json", lambda c: c["dflash_config"].update(mask_token_id=c["vocab_size"])),
+        "rule 9: mask_token_id",
+    ),
+    "block-size-not-the-trained-one": (
+        lambda f: _edit_json(f / "config.json", lambda c: c["dflash_config"].update(block_size=8)),
+        "rule 6: block_size 8",
+    ),
+    "provenance-without-serving": (lambda f: _edit_json(f / PROVENANCE_FILE, lambda p: p.pop("serving")), "rule 21"),
+    "declared-dtype-differs": (lambda f: _edit_json(f / "config.json", lambda c: c.update(dtype="float16")), "rule 19"),
+    "non-finite-weights": (
+        lambda f: _edit_tensors(f / "model.safetensors", lambda t: t["norm.weight"].fill_(float("nan"))),
+        r"rule 19: non-finite values in \['norm.weight'\]",
+    ),
+    "extra-tensor": (
+        lambda f: _edit_tensors(f / "model.safetensors", lambda t: t.update(extra=torch.zeros(1).bfloat16())),
+        r"rule 16: .*unexpected \['extra'\]",
+    ),
+    "truncated-weights": (lambda f: _truncate(f / "model.safetensors"), "not a readable safetensors file"),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERINGS)
+def test_publishing_revalidates_the_folder_on_disk(exported, tampering):
+    _, folder = exported
+    validate_export_folder(folder)
+    tamper, problem = TAMPERINGS[tampering]
+    tamper(folder)
+    with pytest.raises(ExportValidationError, match=problem):
+        validate_export_folder(folder)
+
+
+def test_publish_py_refuses_a_tampered_export_before_contacting_the_hub(tmp_path, exported):
+    _, folder = exported
+    _edit_json(folder / "config.json", lambda c: c["dflash_config"].update(mask_token_id=c["vocab_size"]))
+    with LoopbackHub() as hub:
+        refused = run_example("publish.py", hub, tmp_path, str(folder), "org/draft")
+        assert refused.returncode != 0
+        assert "breaks the public checkpoint contract" in refused.stderr and "rule 9: mask_token_id" in refused.stderr
+        assert hub.state.requests == [] and hub.state.repos == {}
 
 
 TRAIN_AND_PUSH = """

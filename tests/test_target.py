@@ -9,6 +9,8 @@ import torch
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer import target as target_module
+from trainer.export import TargetDimensions
 from trainer.target import FrozenTarget, TargetSource
 
 
@@ -78,3 +80,45 @@ def test_local_directory_target_round_trips(tmp_path):
 def test_packaged_gguf_source_errors_clearly():
     with pytest.raises(ValueError, match="distribution is not installed"):
         TargetSource.parse("pypi:no-such-distribution-dflash2")
+
+
+@pytest.mark.parametrize("spec", ["./models/foo", "/data/x", "runs/my/target", "~/no-such-dflash2-target"])
+def test_a_missing_local_target_is_named_not_taken_for_a_hub_id(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for load in (FrozenTarget.load, TargetDimensions.from_target):
+        with pytest.raises(FileNotFoundError) as caught:
+            load(spec)
+        assert str(caught.value) == f"target: local path {spec} does not exist"
+
+
+class AskedTheHub(Exception):
+    pass
+
+
+def test_a_hub_target_id_still_goes_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def from_hub(name, **kwargs):
+        raise AskedTheHub(name)
+
+    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", from_hub)
+    for spec in ("org/name", "name"):
+        with pytest.raises(AskedTheHub, match=f"^{spec}$"):
+            FrozenTarget.load(spec)
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError) as caught:
+        FrozenTarget.load(str(tmp_path), gguf_file="model.Q4_K_M.gguf")
+    assert str(caught.value) == f"target_gguf_file: model.Q4_K_M.gguf is not a file in {tmp_path}"
+
+
+def test_truncated_target_weights_are_named(tmp_path):
+    target = tiny_target()
+    target.model.save_pretrained(tmp_path)
+    target.tokenizer.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError) as caught:
+        FrozenTarget.load(str(tmp_path))
+    assert str(caught.value).startswith(f"{weights} is truncated or corrupt: header says ")

@@ -25,6 +25,8 @@ CHECKPOINT_FILES = {
     "rng_state.pth",
     "trainer_state.json",
     "training_args.bin",
+    "dflash2_recipe.json",
+    "dflash2_checkpoint.json",
 }
 
 
@@ -135,6 +137,7 @@ def test_every_checkpoint_holds_only_the_draft(target, dataset, tmp_path):
         "configuration_dflash2.py",
         "modeling_dflash2.py",
         "training_args.bin",
+        "dflash2_recipe.json",
     }
     for directory in (tmp_path, tmp_path / "checkpoint-4"):
         config = json.loads((directory / "config.json").read_text())

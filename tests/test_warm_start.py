@@ -131,3 +131,35 @@ def test_key_problems_are_refused_naming_the_keys(tmp_path, recipe_config, edit,
     rewrite_safetensors(tmp_path / "zlab", edit)
     with pytest.raises(ValueError, match=message):
         warm_start(tmp_path / "zlab", recipe_config)
+
+
+def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(tmp_path, monkeypatch):
+    """hub_configs record "dtype": "bfloat16" (the published format); the run trains float32 master
+    weights, so a warm-started draft reaches the Trainer exactly as the float32 source computed it."""
+    from examples import train
+    from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
+    from tests.distributed.tiny_setup import write_tiny_run
+    from trainer.arguments import parse_arguments
+
+    recipe = write_tiny_run(tmp_path, init_from=str(tmp_path / "source"), max_steps=1, num_eval_samples=0)
+    config_file = tmp_path / "draft.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": "bfloat16"}))
+    source = randomize(DFlash2DraftModel(DFlash2Config.from_json_file(config_file)), seed=5)
+    source.save_pretrained(tmp_path / "source")
+    received = {}
+
+    class Recording(train.DFlash2Trainer):
+        def __init__(self, model, *args, **kwargs):
+            received.update({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
+            super().__init__(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "DFlash2Trainer", Recording)
+    train.main([str(recipe)])
+    assert received.keys() == source.state_dict().keys()
+    for name, tensor in source.state_dict().items():
+        assert received[name].dtype == torch.float32, name
+        assert torch.equal(received[name], tensor), name
+    draft = train.build_draft(parse_arguments([str(recipe)])[0]).eval()
+    inputs = draft_inputs(draft.config, batch=1, context=5)
+    with torch.no_grad():
+        assert torch.equal(draft(**inputs), source.eval()(**inputs))

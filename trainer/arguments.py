@@ -2,12 +2,14 @@
 
 A recipe is a flat YAML mapping whose keys are fields of `ModelArguments`, `DataArguments` and
 `DFlashTrainingArguments` (a `transformers.TrainingArguments`); `--key value` flags after the
-recipe path override it.
+recipe path override it. Every value is converted to its field's type or refused naming the field
+(`trainer.recipe_types`): YAML alone reads `1e-3` as a string and `"false"` stays a (truthy) string.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from trainer.objective import ObjectiveConfig
+from trainer.recipe_types import convert, field_choices, field_types
 
 
 @dataclass
@@ -123,35 +126,123 @@ class DFlashTrainingArguments(TrainingArguments):
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, DFlashTrainingArguments)
+NULL_WORDS = frozenset({"null", "Null", "NULL", "~"})
+# Fields TrainingArguments declares `str | None` but also takes true for: resume_from_checkpoint (Trainer.train and
+# DFlash2Trainer: the newest checkpoint in output_dir) and fsdp (its help asks for `--fsdp` / `fsdp=True`).
+TYPE_OVERRIDES = {"resume_from_checkpoint": str | bool | None, "fsdp": str | bool | None}
 
 
 def _overrides(flags: list[str]) -> dict[str, Any]:
-    """`--key value` pairs (values read as YAML scalars) and bare `--flag` as true."""
+    """`--key value` (read as YAML), `--key=value`, `--key v1 v2` (a list) and a bare `--flag` (true)."""
     values: dict[str, Any] = {}
     index = 0
     while index < len(flags):
-        key = flags[index]
-        if not key.startswith("--"):
-            raise ValueError(f"expected --key after the recipe, got {key!r}")
-        key = key[2:].replace("-", "_")
-        if index + 1 < len(flags) and not flags[index + 1].startswith("--"):
-            values[key] = yaml.safe_load(flags[index + 1])
-            index += 2
-        else:
-            values[key] = True
+        if not flags[index].startswith("--"):
+            raise ValueError(f"expected --key, got {flags[index]!r}")
+        key, equals, text = flags[index][2:].partition("=")
+        index += 1
+        texts = [text] if equals else []
+        while not equals and index < len(flags) and not flags[index].startswith("--"):
+            texts.append(flags[index])
             index += 1
+        values[key.replace("-", "_")] = _flag_values(texts)
     return values
 
 
+def _flag_values(texts: list[str]) -> Any:
+    """No text is a bare `--flag` (true), one is a value, more are a list (HfArgumentParser's `nargs="+"`)."""
+    if not texts:
+        return True
+    values = [_flag_value(text) for text in texts]
+    return values[0] if len(values) == 1 else values
+
+
+def _flag_value(text: str) -> Any:
+    """A flag's text read as a YAML scalar or flow collection (`1e-4`, `null`, `[a, b]`); text that YAML would make
+    a mapping, a comment or an error of (`--system_prompt "Note: be brief"`) is kept as it is."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if value is None and text.strip() not in NULL_WORDS:
+        return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[")):
+        return text
+    return value
+
+
+def _negations(flags: dict[str, Any], hints: dict[str, Any]) -> dict[str, Any]:
+    """HfArgumentParser's bare `--no_<field>` (listed by --help) sets the field to false."""
+    resolved: dict[str, Any] = {}
+    for key, value in flags.items():
+        negated = key.startswith("no_") and key not in hints and key[3:] in hints and value is True
+        resolved[key[3:] if negated else key] = False if negated else value
+    return resolved
+
+
+def _typed(values: dict[str, Any], hints: dict[str, Any], source: str, prefix: str) -> dict[str, Any]:
+    """Every value converted to its field's type; unknown keys refused (with the nearest field name)."""
+    unknown = [key for key in values if key not in hints]
+    if unknown:
+        raise ValueError(
+            "; ".join(f"unknown {source} {prefix}{key}{_did_you_mean(key, hints, prefix)}" for key in unknown)
+        )
+    choices = field_choices(ARGUMENT_CLASSES)
+    return {
+        key: convert(value, hints[key], f"{source} {prefix}{key}", choices.get(key, ()))
+        for key, value in values.items()
+    }
+
+
+def _did_you_mean(key: Any, hints: dict[str, Any], prefix: str) -> str:
+    close = difflib.get_close_matches(str(key), list(hints), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _read_recipe(path: str) -> dict[str, Any]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"recipe {path} does not exist")
+    try:
+        recipe = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"recipe {path} is not valid YAML: {problem}{where}") from None
+    if not isinstance(recipe, dict):
+        raise ValueError(f"recipe {path} must be a YAML mapping of argument names to values")
+    return recipe
+
+
+def _build(values: dict[str, Any]) -> tuple[Any, ...]:
+    """The three dataclasses from typed values; a missing required field is a ValueError, not a TypeError."""
+    missing = [
+        f.name
+        for cls in ARGUMENT_CLASSES
+        for f in fields(cls)
+        if f.init and f.default is MISSING and f.default_factory is MISSING and f.name not in values
+    ]
+    if missing:
+        raise ValueError(f"missing required argument(s): {', '.join(missing)}")
+    return tuple(
+        cls(**{f.name: values[f.name] for f in fields(cls) if f.init and f.name in values}) for cls in ARGUMENT_CLASSES
+    )
+
+
 def parse_arguments(argv: list[str], default_recipe: Path | None = None):
-    """(model, data, training) arguments from a YAML recipe (+ overrides), or from flags alone."""
-    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    """(model, data, training) arguments from a YAML recipe (+ `--key value` overrides), or from flags alone.
+
+    Both go through the same conversion of every value to its field's type (`trainer.recipe_types`).
+    """
     if not argv and default_recipe is not None:
         argv = [str(default_recipe)]
+    if "-h" in argv or "--help" in argv:
+        HfArgumentParser(ARGUMENT_CLASSES).print_help()
+        raise SystemExit(0)
+    recipe: dict[str, Any] = {}
     if argv and argv[0].endswith((".yaml", ".yml")):
-        recipe = yaml.safe_load(Path(argv[0]).read_text()) or {}
-        if not isinstance(recipe, dict):
-            raise ValueError(f"recipe {argv[0]} must be a YAML mapping of argument names to values")
-        recipe.update(_overrides(argv[1:]))
-        return parser.parse_dict(recipe, allow_extra_keys=False)
-    return parser.parse_args_into_dataclasses(args=argv)
+        recipe, argv = _read_recipe(argv[0]), argv[1:]
+    hints = field_types(ARGUMENT_CLASSES) | TYPE_OVERRIDES
+    values = _typed(recipe, hints, "recipe field", "")
+    values.update(_typed(_negations(_overrides(argv), hints), hints, "argument", "--"))
+    return _build(values)

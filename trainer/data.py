@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -23,10 +25,18 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from trainer.blocks import valid_anchor_mask
-from trainer.fileio import default_cache_root, digest, write_directory_atomically
+from trainer.fileio import default_cache_root, digest, require_existing_path, write_directory_atomically
 from trainer.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
+
+# Roles chat templates know; anything else (ShareGPT's "human" / "gpt") would render but never be
+# supervised as an assistant turn.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+# Bytes of a JSON / JSONL file that carry no row (whitespace and empty containers), and its BOM.
+JSON_WHITESPACE = b" \t\r\n"
+JSON_STRUCTURE = JSON_WHITESPACE + b"[]{},"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,8 +139,9 @@ def tokenize_chat(
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def truncate_and_filter(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:
-    """Truncate to `max_length` and drop samples left without a valid anchor (count logged)."""
+def truncate_and_filter(dataset: datasets.Dataset, max_length: int, name: str = "dataset") -> datasets.Dataset:
+    """Truncate to `max_length` and drop samples left without a valid anchor (count logged); `name`
+    says which dataset the error is about when none is left."""
 
     def truncate(sample):
         return {"input_ids": sample["input_ids"][:max_length], "loss_mask": sample["loss_mask"][:max_length]}
@@ -146,7 +157,10 @@ def truncate_and_filter(dataset: datasets.Dataset, max_length: int) -> datasets.
     if dropped:
         logger.warning("Dropped %d of %d samples with no two adjacent supervised tokens.", dropped, before)
     if len(dataset) == 0:
-        raise ValueError("No sample has a valid anchor (two adjacent supervised tokens) after truncation.")
+        raise ValueError(
+            f"{name}: none of the {before} samples has a valid anchor (two adjacent supervised tokens) "
+            f"after truncation to max_length={max_length}"
+        )
     return dataset
 
 
@@ -236,12 +250,14 @@ def regenerate(
     prompts: list[list[dict[str, str]]],
     settings: GenerationSettings,
     cache_root: Path,
+    name: str = "dataset",
 ) -> datasets.Dataset:
     """Prompt conversations -> answered by the target itself, as token ids (on-policy data).
 
     `input_ids` = templated prompt + the generated tokens (through the end-of-turn token);
     `loss_mask` is 1 on the generated tokens. Cached with `save_to_disk` under a key of the target,
-    the prompts, the settings and the chat template; a cached result is reused as is.
+    the prompts, the settings and the chat template; a cached result is reused as is. `name` says
+    which dataset the error is about when no prompt fits `max_prompt_length`.
     """
     tokenizer = target.tokenizer
     key = digest(
@@ -259,6 +275,10 @@ def regenerate(
     extra = template_kwargs(tokenizer, settings.enable_thinking)
     prompt_ids = [_render(tokenizer, messages, True, extra) for messages in prompts]
     kept = [index for index, ids in enumerate(prompt_ids) if len(ids) <= settings.max_prompt_length]
+    if not kept:
+        raise ValueError(
+            f"{name}: none of the {len(prompts)} prompts fits in max_prompt_length={settings.max_prompt_length} tokens"
+        )
     if len(kept) < len(prompts):
         logger.warning(
             "Skipping %d of %d prompts longer than max_prompt_length=%d tokens.",
@@ -416,21 +436,176 @@ class DFlashCollator:
 
 
 # ---------------------------------------------------------------------------------------------
+# Checks on user data, before a library or a chat template sees it
+# ---------------------------------------------------------------------------------------------
+
+
+def check_json_file(path: Path, name: str) -> None:
+    """Refuse a JSON / JSONL file that is not UTF-8, holds no row, or does not open with an object
+    or array: pyarrow reports bad bytes without a line, an empty file surfaces as a bare
+    StopIteration, and a top-level `null` crashes the reader. One pass over the lines in binary (a
+    newline byte never occurs inside a UTF-8 sequence); the column counts bytes from 1."""
+    has_rows, first_line, first_byte = False, 0, b""
+    with path.open("rb") as file:
+        for number, line in enumerate(file, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"dataset {name}: line {number} is not valid UTF-8 "
+                    f"(byte 0x{line[error.start]:02x} at column {error.start + 1})"
+                ) from None
+            if not first_line and line.strip():
+                first_line, first_byte = number, line.lstrip(UTF8_BOM + JSON_WHITESPACE)[:1]
+            has_rows = has_rows or bool(line.strip(JSON_STRUCTURE))
+    if not has_rows:
+        raise ValueError(f"dataset {name} has no rows")
+    if first_byte not in (b"{", b"["):
+        raise ValueError(f"dataset {name}: line {first_line} does not start a JSON object or array")
+
+
+def check_parquet_file(path: Path, name: str) -> None:
+    """Refuse an unreadable or empty Parquet file from its footer alone (datasets reports an empty one
+    as 'Instruction "train" corresponds to no data!')."""
+    try:
+        rows = pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    except (pyarrow.ArrowException, OSError) as error:
+        raise ValueError(f"dataset {name} is not a readable Parquet file: {error}") from None
+    if rows == 0:
+        raise ValueError(f"dataset {name} has no rows")
+
+
+def column_values(dataset: datasets.Dataset, column: str) -> Iterator[Any]:
+    """One column's values in row order, read in batches (flat memory on large datasets)."""
+    for batch in dataset.select_columns([column]).iter(batch_size=1024):
+        yield from batch[column]
+
+
+def conversation_problem(messages: Any, column: str) -> str | None:
+    """Why a chat template cannot render this row's conversation, or None."""
+    if messages is None:
+        return f"'{column}' is null"
+    if not isinstance(messages, list) or not messages:
+        return f"'{column}' must be a non-empty list of {{role, content}} messages"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {index} is a {type(message).__name__}, not a {{role, content}} mapping"
+        role, content = message.get("role"), message.get("content")
+        if role is None:
+            return f"message {index} has no 'role'"
+        if role not in KNOWN_ROLES:
+            return f"message {index} has unknown role {role!r} (known: {', '.join(KNOWN_ROLES)})"
+        if content is None:
+            return f"message {index} has no 'content'"
+        if not isinstance(content, str):
+            return f"message {index} has a {type(content).__name__} 'content', not a string"
+    return None
+
+
+def check_conversations(conversations: Iterable[Any], name: str, column: str) -> None:
+    """Refuse the first conversation a template cannot render, naming its row (from 0) and field:
+    the template itself fails with a jinja UndefinedError that names neither."""
+    for row, messages in enumerate(conversations):
+        problem = conversation_problem(messages, column)
+        if problem:
+            raise ValueError(f"dataset {name} row {row}: {problem}")
+
+
+def check_prompts(prompts: Iterable[Any], name: str, column: str) -> None:
+    """Refuse the first prompt that is not a string, naming its row (from 0) and field."""
+    for row, prompt in enumerate(prompts):
+        if prompt is None:
+            raise ValueError(f"dataset {name} row {row}: '{column}' is null")
+        if not isinstance(prompt, str):
+            raise ValueError(f"dataset {name} row {row}: '{column}' is a {type(prompt).__name__}, not a string")
+
+
+def conversation_prefixes(conversations: Iterable[Sequence[dict[str, str]]], name: str) -> list[list[dict[str, str]]]:
+    """`conversation_prefix` of every row, naming the row that has none."""
+    prefixes = []
+    for row, messages in enumerate(conversations):
+        try:
+            prefixes.append(conversation_prefix(messages))
+        except ValueError as error:
+            raise ValueError(f"dataset {name} row {row}: {error}") from None
+    return prefixes
+
+
+def check_sample_counts(args) -> None:
+    """Refuse sample counts that cannot mean anything, before any data is loaded."""
+    if args.num_eval_samples < 0:
+        raise ValueError(f"num_eval_samples={args.num_eval_samples} must be >= 0")
+    if args.num_train_samples is not None and args.num_train_samples <= 0:
+        raise ValueError(
+            f"num_train_samples={args.num_train_samples} must be positive (unset it to train on every sample)"
+        )
+
+
+def check_held_out(num_eval_samples: int, count: int, name: str) -> None:
+    """Refuse a hold-out that leaves nothing to train on (it would surface later, from the empty
+    training set, as 'no sample has a valid anchor')."""
+    if num_eval_samples >= count:
+        raise ValueError(
+            f"num_eval_samples={num_eval_samples} holds out every one of the {count} samples of {name}: "
+            f"set it below {count}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # From arguments to datasets
 # ---------------------------------------------------------------------------------------------
 
 
-def load_raw_dataset(spec: str, split: str) -> datasets.Dataset:
-    """A `save_to_disk` directory, a JSON / JSONL / Parquet file, or a Hub dataset id."""
-    path = Path(spec)
-    if path.is_dir() and (path / "dataset_info.json").exists():
-        return datasets.load_from_disk(str(path))
-    if path.is_file():
-        kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
-        if kind is None:
-            raise ValueError(f"dataset file {spec}: expected .json, .jsonl or .parquet")
+def load_data_file(path: Path, name: str) -> datasets.Dataset:
+    """A JSON / JSONL / Parquet file, checked first so that its problems are named (Parquet is
+    binary: it is not checked for UTF-8)."""
+    kind = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
+    if kind is None:
+        raise ValueError(f"dataset file {name}: expected .json, .jsonl or .parquet")
+    check = check_json_file if kind == "json" else check_parquet_file
+    check(path, name)
+    try:
         return datasets.load_dataset(kind, data_files=str(path), split="train")
-    return datasets.load_dataset(spec, split=split)
+    except StopIteration as error:  # datasets' JSON reader on a file that yields no table
+        raise ValueError(f"dataset {name} has no rows") from error
+
+
+def load_raw_dataset(spec: str, split: str) -> datasets.Dataset:
+    """A `save_to_disk` directory, a JSON / JSONL / Parquet file, or a Hub dataset id. A missing
+    local path, a JSON file that is not UTF-8 and a dataset without rows are refused, naming `spec`."""
+    resolved = require_existing_path(spec, "dataset")
+    path = Path(resolved)
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        dataset = datasets.load_from_disk(resolved)
+    elif path.is_file():
+        dataset = load_data_file(path, spec)
+    else:
+        dataset = datasets.load_dataset(resolved, split=split)
+    if len(dataset) == 0:
+        raise ValueError(f"dataset {spec} has no rows")
+    return dataset
+
+
+def conversations_or_prompts(raw: datasets.Dataset, args) -> tuple[datasets.Dataset | None, list | None]:
+    """(chat dataset, None) to tokenize as is, or (None, prompt conversations) for the target to
+    answer; every row is validated first, so a bad one is named instead of failing in a template."""
+    name, messages_column, prompt_column = args.dataset, args.messages_column, args.prompt_column
+    if messages_column in raw.column_names and not args.regenerate:
+        check_conversations(column_values(raw, messages_column), name, messages_column)
+        return raw, None
+    if messages_column in raw.column_names:
+        conversations = list(column_values(raw, messages_column))
+        check_conversations(conversations, name, messages_column)
+        return None, conversation_prefixes(conversations, name)
+    if prompt_column in raw.column_names:
+        if not args.regenerate:
+            raise ValueError(f"dataset {name} has prompts only ('{prompt_column}'): regenerate must be true")
+        prompts = list(column_values(raw, prompt_column))
+        check_prompts(prompts, name, prompt_column)
+        return None, [prompt_conversation(prompt, args.system_prompt) for prompt in prompts]
+    raise ValueError(
+        f"dataset {name} needs a '{messages_column}' or a '{prompt_column}' column; it has {raw.column_names}"
+    )
 
 
 def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
@@ -439,6 +614,7 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
     `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
     answered by the target; the last `num_eval_samples` prompts/conversations are held out.
     """
+    check_sample_counts(args)
     cache_root = Path(args.cache_dir) if args.cache_dir else default_cache_root()
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
@@ -454,20 +630,9 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
         prompts = [prompt_conversation(p, args.system_prompt) for p in chitchat_prompts()]
         conversations = None
     else:
-        raw = load_raw_dataset(args.dataset, args.dataset_split)
-        if args.messages_column in raw.column_names and not args.regenerate:
-            conversations, prompts = raw, None
-        elif args.messages_column in raw.column_names:
-            conversations, prompts = None, [conversation_prefix(m) for m in raw[args.messages_column]]
-        elif args.prompt_column in raw.column_names:
-            if not args.regenerate:
-                raise ValueError(f"dataset has prompts only ('{args.prompt_column}'): regenerate must be true")
-            conversations, prompts = None, [prompt_conversation(p, args.system_prompt) for p in raw[args.prompt_column]]
-        else:
-            raise ValueError(
-                f"dataset needs a '{args.messages_column}' or a '{args.prompt_column}' column; "
-                f"it has {raw.column_names}"
-            )
+        conversations, prompts = conversations_or_prompts(load_raw_dataset(args.dataset, args.dataset_split), args)
+    check_held_out(args.num_eval_samples, len(prompts if prompts is not None else conversations), args.dataset)
+    train_name, eval_name = f"dataset {args.dataset} (train)", f"dataset {args.dataset} (eval)"
 
     def held_out(items):
         train, evaluation = split_prompts(list(items), args.num_eval_samples)
@@ -475,16 +640,18 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
 
     if prompts is not None:
         train_prompts, eval_prompts = held_out(prompts)
-        train = regenerate(target, train_prompts, settings, cache_root)
-        evaluation = regenerate(target, eval_prompts, settings, cache_root) if eval_prompts else None
+        train = regenerate(target, train_prompts, settings, cache_root, train_name)
+        evaluation = regenerate(target, eval_prompts, settings, cache_root, eval_name) if eval_prompts else None
     else:
         train_rows, eval_rows = held_out(range(len(conversations)))
         tokenized = tokenize_conversations(target.tokenizer, conversations, args.messages_column, args.enable_thinking)
         train = tokenized.select(train_rows)
         evaluation = tokenized.select(eval_rows) if eval_rows else None
-    train = truncate_and_filter(train.select_columns(["input_ids", "loss_mask"]), args.max_length)
+    train = truncate_and_filter(train.select_columns(["input_ids", "loss_mask"]), args.max_length, train_name)
     if evaluation is not None:
-        evaluation = truncate_and_filter(evaluation.select_columns(["input_ids", "loss_mask"]), args.max_length)
+        evaluation = truncate_and_filter(
+            evaluation.select_columns(["input_ids", "loss_mask"]), args.max_length, eval_name
+        )
     if args.offline:
         dtype = getattr(torch, args.offline_dtype)
         train = OfflineDataset(train, prepare_features(target, train, layer_ids, cache_root, dtype))

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,14 @@ from transformers import AutoConfig
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
-from trainer.fileio import write_directory_atomically
+from trainer.fileio import check_checkpoint_weights, require_existing_path, write_directory_atomically
 from trainer.loading import load_draft
 from trainer.target import TargetSource
 
 logger = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "dflash2_provenance.json"
+RECIPE_FILE = "dflash2_recipe.json"
 PLOT_FILE = "acceptance_per_position.png"
 NEVER_EMIT = (
     "partial_rotary_factor",
@@ -330,8 +332,10 @@ def contract_violations(
 def load_trained_draft(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None) -> DFlash2DraftModel:
     """A training checkpoint as a plain DFlash2DraftModel: a full draft directory, a PEFT adapter
     directory (merged into its base), or a bare `model.safetensors` (e.g. from `accelerate
-    merge-weights` of a sharded FSDP checkpoint) plus the draft `config`."""
-    checkpoint = Path(checkpoint)
+    merge-weights` of a sharded FSDP checkpoint) plus the draft `config`. A missing directory or
+    a truncated safetensors file is refused first, naming it."""
+    checkpoint = Path(require_existing_path(checkpoint, "checkpoint", local_only=True))
+    check_checkpoint_weights(checkpoint)
     if (checkpoint / "adapter_config.json").exists():
         from peft import PeftModel
 
@@ -351,25 +355,31 @@ def load_trained_draft(checkpoint: str | os.PathLike, config: str | os.PathLike 
 # ---------------------------------------------------------------------------------------------
 
 
-def _remove_secrets(value: Any) -> Any:
+def remove_secrets(value: Any) -> Any:
     if isinstance(value, dict):
         return {
-            k: _remove_secrets(v)
+            k: remove_secrets(v)
             for k, v in value.items()
             if not (k in SECRET_KEYS or (k.endswith("_token") and isinstance(v, str)))
         }
     if isinstance(value, (list, tuple)):
-        return [_remove_secrets(v) for v in value]
+        return [remove_secrets(v) for v in value]
     return value
 
 
 def training_record(checkpoint: Path) -> dict[str, Any]:
-    """The recipe (training arguments) and the last logged metrics found in a checkpoint."""
+    """The recipe and the last logged metrics found in a checkpoint, read from JSON only.
+
+    `training_args.bin` (HF's pickle of the arguments) is never read: unpickling a checkpoint that
+    came from someone else would run whatever code it holds.
+    """
     record: dict[str, Any] = {}
-    args_file = checkpoint / "training_args.bin"
-    if args_file.exists():
-        args = torch.load(args_file, weights_only=False)
-        record["training_arguments"] = _remove_secrets(json.loads(args.to_json_string()))
+    recipe_file = checkpoint / RECIPE_FILE
+    if recipe_file.exists():
+        recipe = json.loads(recipe_file.read_text())
+        record.update(remove_secrets({k: v for k, v in recipe.items() if k != "format"}))
+    elif (checkpoint / "training_args.bin").exists():
+        logger.warning("%s has no %s; its training_args.bin is a pickle and is not read.", checkpoint, RECIPE_FILE)
     state_file = checkpoint / "trainer_state.json"
     if state_file.exists():
         state = json.loads(state_file.read_text())
@@ -421,16 +431,19 @@ def export_draft(
     dtype: torch.dtype = torch.bfloat16,
     expected_block_size: int | None = None,
     overwrite: bool = False,
+    source: str | os.PathLike | None = None,
     license: str = "apache-2.0",
     record: dict[str, Any] | None = None,
     evaluation_report: dict[str, Any] | None = None,
 ) -> Path:
-    """Validate, write, reload-check, then atomically place a publishable draft folder."""
+    """Validate, write, reload-check, then atomically place a publishable draft folder.
+
+    `overwrite` replaces only an earlier export, never the `source` checkpoint, a folder holding
+    it or a folder inside it."""
     from trainer.model_card import render_model_card, save_acceptance_plot
 
     output_dir = Path(output_dir)
-    if output_dir.exists() and not overwrite:
-        raise FileExistsError(f"{output_dir} exists; pass overwrite=True to replace it.")
+    check_export_output(output_dir, overwrite, source)
     if type(model).__name__ != "DFlash2DraftModel":
         raise ExportValidationError(f"rule 22: only a DFlash2DraftModel can be exported, got {type(model).__name__}")
     config = public_config(model.config, dtype)
@@ -440,7 +453,7 @@ def export_draft(
         raise ExportValidationError("the draft breaks the public checkpoint contract:\n  " + "\n  ".join(failures))
     if dtype != torch.bfloat16:
         logger.warning("Exporting in %s: published DFlash2 drafts are bfloat16.", dtype)
-    record = _remove_secrets(record or {})
+    record = remove_secrets(record or {})
     provenance = {
         "format": "dflash2-hub export",
         "target": target.name if target else None,
@@ -466,11 +479,9 @@ def export_draft(
         _check_round_trip(directory, model, dtype)
 
     if overwrite and output_dir.exists():
-        staging = output_dir.with_name(output_dir.name + ".new")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = output_dir.with_name(f".{output_dir.name}.new-{uuid.uuid4().hex[:8]}")
         write_directory_atomically(staging, write)
-        backup = output_dir.with_name(output_dir.name + ".old")
-        shutil.rmtree(backup, ignore_errors=True)
+        backup = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(output_dir, backup)
         os.replace(staging, output_dir)
         shutil.rmtree(backup)
@@ -478,6 +489,34 @@ def export_draft(
         write_directory_atomically(output_dir, write)
     logger.info("Exported %s (%d tensors, %s)", output_dir, len(tensors), dtype)
     return output_dir
+
+
+def export_folder_problems(folder: Path) -> tuple[set[str], set[str]]:
+    """(missing, unexpected) names of `folder` against an export's files (the plot is optional;
+    any subfolder is unexpected)."""
+    names = {path.name for path in folder.iterdir()}
+    files = {name for name in names if (folder / name).is_file()}
+    return EXPORT_FILES - files, (names - EXPORT_FILES - {PLOT_FILE}) | (names - files)
+
+
+def check_export_output(output_dir: Path, overwrite: bool, source: str | os.PathLike | None = None) -> None:
+    """Refuse an output that would destroy something the user made: the source checkpoint, a
+    folder holding it (e.g. the training run), a folder inside it, or anything but an earlier export."""
+    if source is not None:
+        source_path, output_path = Path(source).resolve(), output_dir.resolve()
+        if output_path == source_path or source_path.is_relative_to(output_path):
+            raise ValueError(f"export output {output_dir} is or holds the checkpoint {source}: choose another folder")
+        if output_path.is_relative_to(source_path):
+            raise ValueError(f"export output {output_dir} lies inside the checkpoint {source}: choose another folder")
+    if not output_dir.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"export output {output_dir} exists: set overwrite=True (--overwrite) to replace it")
+    if not output_dir.is_dir() or export_folder_problems(output_dir)[1]:
+        raise ValueError(
+            f"export output {output_dir} is not an earlier export (it holds other files); "
+            "overwrite replaces only an export: choose another folder"
+        )
 
 
 def serving_flags(block_size: int) -> dict[str, Any]:

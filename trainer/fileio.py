@@ -1,4 +1,5 @@
-"""Files the project writes for users: never half-written, never lost."""
+"""Files the project writes for users (never half-written, never lost), and the checks that make a
+user's missing or damaged file an error naming that file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# Names that can only be local files: a Hub id is `name` or `org/name`, never one of these.
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".gguf", ".yaml", ".yml", ".safetensors", ".bin", ".pt")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+CHECKPOINT_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")
 
 
 def default_cache_root() -> Path:
@@ -40,3 +46,137 @@ def write_directory_atomically(directory: Path, write: Callable[[Path], None]) -
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data or a directory's entries to disk, so a rename that follows survives a crash."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def replace_files_atomically(directory: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temporary folder inside `directory` with `write`, then move each file over its old
+    version with one rename: every file in `directory` is always either the old or the new one,
+    and everything else there (a run's checkpoints) is left alone."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=directory, prefix=".saving-"))
+    try:
+        write(temporary)
+        for path in sorted(temporary.iterdir()):
+            if path.is_dir():  # none in a draft save; replaced whole
+                shutil.rmtree(directory / path.name, ignore_errors=True)
+            else:
+                fsync_path(path)
+            os.replace(path, directory / path.name)
+        fsync_path(directory)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks on what users point the project at
+# ---------------------------------------------------------------------------------------------
+
+
+def looks_like_local_path(spec: str | os.PathLike) -> bool:
+    """True when `spec` cannot be a Hub id (`name` or `org/name`), so that a missing one is reported
+    as a missing path rather than as a malformed Hub repo id."""
+    if not isinstance(spec, str):
+        return True  # a Path object is local by intent
+    if "://" in spec:
+        return False  # URLs (hf://, https://) are resolved by the libraries themselves
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or spec in (".", "..")
+        or spec.count("/") > 1
+        or spec.endswith(LOCAL_SUFFIXES)
+        or Path(spec).is_absolute()
+    )
+
+
+def require_existing_path(spec: str | os.PathLike, what: str, *, local_only: bool = False) -> str:
+    """`spec` with `~` expanded (the libraries do not expand it); raises FileNotFoundError naming
+    `what` when it looks like a local path (or `local_only`) and does not exist. Hub ids pass
+    through unchecked."""
+    if not (local_only or looks_like_local_path(spec)):
+        return str(spec)
+    expanded = os.path.expanduser(spec)
+    if not os.path.exists(expanded):
+        raise FileNotFoundError(f"{what}: local path {spec} does not exist")
+    return expanded
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Refuse a truncated or corrupt safetensors file from its header alone (the tensor data is
+    never read), so the error names the file instead of coming from deep inside the loader.
+
+    Layout: an 8-byte little-endian header length, a JSON header mapping each tensor to its
+    `data_offsets` [begin, end) in the data section, then the data section itself.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    damaged = f"{path} is truncated or corrupt"
+    if size < 8:
+        raise ValueError(f"{damaged}: header is not valid (only {size} bytes, no room for the 8-byte header length)")
+    with path.open("rb") as file:
+        header_length = int.from_bytes(file.read(8), "little")
+        if header_length > size - 8:
+            raise ValueError(
+                f"{damaged}: header is not valid (it claims {header_length} bytes, the file has {size - 8} after it)"
+            )
+        raw_header = file.read(header_length)
+    data_size = size - 8 - header_length
+    try:
+        header = json.loads(raw_header)
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        ends = None
+    if ends is None or not all(isinstance(end, int) for end in ends):
+        raise ValueError(f"{damaged}: header is not valid (not a JSON map of tensors to data_offsets)")
+    expected = max(ends, default=0)
+    if expected != data_size:
+        raise ValueError(f"{damaged}: header says {expected} bytes of tensor data, the file has {data_size}")
+
+
+def check_checkpoint_weights(directory: str | os.PathLike) -> None:
+    """Header-check every safetensors file a local checkpoint directory loads from (single file,
+    adapter, or the shards of an index); a Hub id or a missing directory is left to the loader."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    files = [directory / name for name in CHECKPOINT_WEIGHTS if (directory / name).is_file()]
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index} is truncated or corrupt: no valid weight_map") from error
+        files.extend(directory / shard for shard in sorted(shards))
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is listed in {index} but does not exist")
+        check_safetensors_file(file)
+
+
+def check_local_checkpoint(spec: str | os.PathLike, what: str, subfolder: str | None = None) -> str:
+    """`require_existing_path`, then `check_checkpoint_weights` on a local directory; returns the
+    spec to load from."""
+    resolved = require_existing_path(spec, what)
+    check_checkpoint_weights(Path(resolved) / (subfolder or ""))
+    return resolved
+
+
+def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(temporary)` into a sibling, then one rename: readers see the old file or the new one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        fsync_path(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -1,35 +1,105 @@
 """Publishing exported drafts to the Hugging Face Hub, one commit per push.
 
-Only folders written by `export_draft` are published, never raw Trainer checkpoints. The token
-comes from the environment (`HF_TOKEN`) or `huggingface-cli login`, or is passed in memory; it is
-never written to a file.
+Only folders written by `export_draft` are published, never raw Trainer checkpoints, and every push
+re-validates the folder on disk first: a retry (`examples/publish.py`) publishes whatever is there
+now, which may have been edited, truncated or never exported. The token comes from the environment
+(`HF_TOKEN`) or `huggingface-cli login`, or is passed in memory; it is never written to a file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import torch
 from huggingface_hub import CommitInfo, HfApi
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from trainer.export import EXPORT_FILES, PLOT_FILE
+from trainer.export import PROVENANCE_FILE, ExportValidationError, contract_violations, export_folder_problems
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_COMMIT_MESSAGE = "Upload DFlash2 draft"
+
+
+class PublishError(OSError):
+    """A push that failed on the way to the Hub (HTTP error, dropped connection): retrying the same
+    folder can succeed. An OSError, like huggingface_hub's own HTTP errors."""
 
 
 def check_export_folder(folder: Path) -> None:
     """Refuse anything but an export: exactly the export files (the plot is optional)."""
-    files = {path.name for path in folder.iterdir()}
-    missing = EXPORT_FILES - files
-    extra = files - EXPORT_FILES - {PLOT_FILE}
+    if not folder.is_dir():
+        raise ExportValidationError(f"{folder} is not a directory; publish the output of export_draft.")
+    missing, extra = export_folder_problems(folder)
     if missing or extra:
-        raise ValueError(
+        raise ExportValidationError(
             f"{folder} is not an export folder (missing {sorted(missing)}, unexpected {sorted(extra)}); "
             "publish the output of export_draft, never a raw training checkpoint."
         )
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportValidationError(f"{path} is not valid JSON ({error}); re-export the draft.") from None
+    if not isinstance(value, dict):
+        raise ExportValidationError(f"{path} must hold a JSON object, got {type(value).__name__}; re-export the draft.")
+    return value
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The weights as safetensors (never pickle); a truncated or foreign file is refused here."""
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ExportValidationError(f"{path} is not a readable safetensors file ({error}); re-export it.") from None
+
+
+def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    dtype = getattr(torch, str(config.get("dtype")), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def validate_export_folder(folder: str | os.PathLike) -> None:
+    """Re-check a folder against the public contract from what is on disk: the exact file set,
+    config.json, and every rule of contract.md §7 that needs no target (the target's dimensions
+    were checked at export). The block size must be the one the provenance records for serving."""
+    folder = Path(folder)
+    check_export_folder(folder)
+    config = _read_json_object(folder / "config.json")
+    provenance = _read_json_object(folder / PROVENANCE_FILE)
+    tensors = _read_tensors(folder / "model.safetensors")
+    failures = []
+    dtype = _declared_dtype(config)
+    if dtype is None:
+        failures.append(f"rule 19: config.json dtype must name a floating torch dtype, got {config.get('dtype')!r}")
+    serving = provenance.get("serving")
+    block_size = serving.get("block_size") if isinstance(serving, dict) else None
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        failures.append(f"rule 21: {PROVENANCE_FILE} records no integer serving block_size, got {block_size!r}")
+        block_size = None
+    try:
+        failures += contract_violations(config, tensors, None, dtype or torch.bfloat16, block_size)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        failures.append(f"config.json is malformed ({type(error).__name__}: {error})")
+    if failures:
+        raise ExportValidationError(
+            f"{folder} breaks the public checkpoint contract; re-export the draft:\n  " + "\n  ".join(failures)
+        )
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def publish(
@@ -38,19 +108,51 @@ def publish(
     *,
     private: bool | None = None,
     token: str | None = None,
-    commit_message: str = "Upload DFlash2 draft",
+    commit_message: str = DEFAULT_COMMIT_MESSAGE,
     revision: str | None = None,
 ) -> CommitInfo:
-    """Create the repo if needed and upload the export folder as a single commit."""
+    """Re-validate the export, create the repo if needed and upload the folder as a single commit.
+
+    A failed push raises `PublishError` and leaves no partial revision (the commit is atomic), so the
+    same call can simply be repeated; invalid arguments (a malformed repo id) stay ValueErrors.
+    """
     folder = Path(folder)
-    check_export_folder(folder)
+    validate_export_folder(folder)
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(
-        repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model"
-    )
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=commit_message,
+            revision=revision,
+            repo_type="model",
+        )
+    except ValueError:
+        raise
+    except Exception as error:
+        raise PublishError(f"push to {repo_id} failed ({_one_line(error)})") from error
     logger.info("Published %s to %s (%s)", folder, repo_id, commit.oid)
     return commit
+
+
+def publish_command(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    commit_message: str = DEFAULT_COMMIT_MESSAGE,
+    revision: str | None = None,
+) -> str:
+    """The shell command that publishes an existing export again, without re-exporting it."""
+    command = ["python", "examples/publish.py", str(folder), repo_id]
+    if private:
+        command.append("--private")
+    if commit_message != DEFAULT_COMMIT_MESSAGE:
+        command += ["--commit-message", commit_message]
+    if revision:
+        command += ["--revision", revision]
+    return shlex.join(command)
 
 
 class PushExportOnSaveCallback(TrainerCallback):

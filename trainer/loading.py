@@ -14,6 +14,7 @@ from typing import Any
 from transformers import AutoModel
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
+from trainer.fileio import check_local_checkpoint
 
 DRAFT_CLASSES = {cls.draft_architecture: cls for cls in (DFlashDraftModel, DFlash2DraftModel)}
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder", "force_download")
@@ -45,8 +46,10 @@ def load_draft(
 
     By default the class comes from this installed package (chosen by the config's
     `architectures`); `trust_remote_code=True` runs the modeling files shipped in the checkpoint
-    instead, as a user without this package would.
+    instead, as a user without this package would. A local path must exist and its safetensors be
+    whole (checked from their headers), so either mistake is reported naming the file.
     """
+    path_or_repo_id = check_local_checkpoint(path_or_repo_id, "draft", kwargs.get("subfolder"))
     if trust_remote_code:
         model = AutoModel.from_pretrained(path_or_repo_id, trust_remote_code=True, **kwargs)
     else:

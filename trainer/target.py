@@ -18,7 +18,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_dflash2 import DFlashSettings
-from trainer.fileio import default_cache_root, digest, write_directory_atomically
+from trainer.fileio import (
+    check_checkpoint_weights,
+    default_cache_root,
+    digest,
+    require_existing_path,
+    write_directory_atomically,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +55,15 @@ class TargetSource:
 
     @classmethod
     def parse(cls, target: str, gguf_file: str | None = None) -> TargetSource:
+        """A missing local directory or GGUF file is refused here, naming it: the libraries would
+        report the path as a malformed Hub repo id."""
         if target.startswith(PYPI_PREFIX):
             path = find_packaged_gguf(target[len(PYPI_PREFIX) :])
             return cls(str(path.parent), path.name)
-        return cls(target, gguf_file)
+        name_or_path = require_existing_path(target, "target")
+        if gguf_file and Path(name_or_path).is_dir() and not (Path(name_or_path) / gguf_file).is_file():
+            raise FileNotFoundError(f"target_gguf_file: {gguf_file} is not a file in {target}")
+        return cls(name_or_path, gguf_file)
 
     def fingerprint(self) -> str:
         """Identity of the weights: a GGUF file by path, size and mtime; otherwise the name."""
@@ -138,6 +149,7 @@ class FrozenTarget:
         if source.gguf_file:
             model, tokenizer = _load_gguf_through_cache(source, dtype, cache_root or default_cache_root())
         else:
+            check_checkpoint_weights(source.name_or_path)
             model = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source.name_or_path)
         if device is not None:

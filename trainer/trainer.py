@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,19 @@ from transformers import Trainer
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import DFlashTrainingArguments
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.checkpoints import (
+    STAGING_PREFIX,
+    check_resumable,
+    clean_leftovers,
+    newest_complete_checkpoint,
+    publish_staged,
+    rotate,
+    staging_parent,
+)
 from trainer.data import end_of_turn_ids
 from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
-from trainer.export import TargetDimensions, export_draft
+from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
+from trainer.fileio import replace_files_atomically, write_file_atomically
 from trainer.hub import PushExportOnSaveCallback, publish
 from trainer.metrics import MetricTerms, add_terms
 from trainer.objective import (
@@ -39,6 +50,7 @@ from trainer.objective import (
     loss_denominator,
     selector_alpha_at,
 )
+from trainer.preemption import PreemptionCallback
 from trainer.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
@@ -55,6 +67,7 @@ class DFlash2Trainer(Trainer):
         args: DFlashTrainingArguments,
         target: FrozenTarget,
         target_hub_id: str | None = None,
+        recipe: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         if not isinstance(args, DFlashTrainingArguments):
@@ -67,7 +80,12 @@ class DFlash2Trainer(Trainer):
         self._hub_token, self.args.hub_token = self.args.hub_token, None
         self.target = target
         self.target_hub_id = target_hub_id
+        self.recipe = recipe or {}
         self.target.model.to(self.args.device)
+        self._staging_parent: Path | None = None
+        self.last_checkpoint: Path | None = None
+        self.preemption = PreemptionCallback(self.args.process_index)
+        self.add_callback(self.preemption)
         self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
         self._selector_alpha: float | None = None
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
@@ -81,6 +99,11 @@ class DFlash2Trainer(Trainer):
     # -- data: anchors and the global denominator of each optimizer step ------------------------
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if 0 < self.state.max_steps <= self.state.global_step:
+            # Resumed from a checkpoint at max_steps: HF would run one step past it (it checks the
+            # limit only after a step), so the resumed run would differ from the uninterrupted one.
+            self.control.should_training_stop = True
+            return [], None
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples:
             return batch_samples, None
@@ -153,25 +176,115 @@ class DFlash2Trainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    # -- resuming -------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+        """HF `train`, plus: leftovers of interrupted saves are cleaned up first, `True` resumes from
+        the newest *complete* checkpoint (or starts fresh when there is none), a named checkpoint
+        is checked before use, and SIGTERM/SIGINT save a checkpoint and stop (`self.preemption`)."""
+        if self.args.should_save:
+            clean_leftovers(Path(self.args.output_dir))
+        self.accelerator.wait_for_everyone()
+        resume = self.resolve_resume(resume_from_checkpoint)
+        self.preemption.install()
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial, **kwargs)
+        finally:
+            self.preemption.uninstall()
+
+    def resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """A checkpoint path to resume from, or None for a fresh start."""
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+            resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
+        if not resume_from_checkpoint:
+            return None
+        if resume_from_checkpoint is True:
+            newest = newest_complete_checkpoint(Path(self.args.output_dir))
+            if newest is None:
+                logger.warning("No complete checkpoint in %s: training starts at step 0.", self.args.output_dir)
+                return None
+            logger.info("Resuming from %s", newest)
+            return str(newest)
+        check_resumable(Path(resume_from_checkpoint), needs_optimizer=not self.args.save_only_model)
+        return str(resume_from_checkpoint)
+
     # -- saving ---------------------------------------------------------------------------------
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every save writes the publishable draft: config.json, model.safetensors, the two modeling
-        files and a correct auto_map. Under FSDP the full state dict is gathered by every rank
-        (fresh CPU copies) and written by rank 0, whatever `fsdp_state_dict_type` the resume files use."""
-        if not self.is_fsdp_enabled:
-            super().save_model(output_dir, _internal_call)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    def _get_output_dir(self, trial) -> str:
+        """While a checkpoint is being saved, HF's `_save_checkpoint` writes under the staging folder."""
+        return str(self._staging_parent) if self._staging_parent is not None else super()._get_output_dir(trial)
 
-        output_dir = output_dir or self.args.output_dir
-        state_dict = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's checkpoint (draft, optimizer, scheduler, RNG, trainer state) written by every rank
+        into a staging folder, then renamed to `checkpoint-N` with a completion manifest: a kill at
+        any instant leaves either the whole checkpoint or none of it under its final name."""
+        run_dir = Path(super()._get_output_dir(trial))
+        step = self.state.global_step
+        parent = staging_parent(run_dir, step)
         if self.args.should_save:
-            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state_dict)
-            torch.save(self.args, f"{output_dir}/training_args.bin")
+            shutil.rmtree(parent, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_parent = parent
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_parent = None
+        self.accelerator.wait_for_everyone()
+        final = run_dir / f"checkpoint-{step}"
+        if self.args.should_save:
+            staged = parent / final.name
+            if self.state.best_model_checkpoint == str(staged):
+                self.state.best_model_checkpoint = str(final)
+                self.state.save_to_json(str(staged / "trainer_state.json"))
+            publish_staged(staged, final, step)
+            rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint])
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every save writes the publishable draft (config.json, model.safetensors, the two modeling
+        files, a correct auto_map) and the recipe as JSON. A checkpoint being staged is written in
+        place; any other folder (the run's own, holding its checkpoints) gets each file replaced by
+        one rename, so a kill never leaves a half-written draft behind."""
+        output_dir = Path(output_dir or self.args.output_dir)
+        if output_dir.parent.name.startswith(STAGING_PREFIX) or not self.args.should_save:
+            self._write_draft(output_dir)
+        else:
+            replace_files_atomically(output_dir, self._write_draft)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _write_draft(self, directory: Path) -> None:
+        """The draft files (rank 0 writes; under FSDP every rank joins the full-state-dict gather)."""
+        if self.is_fsdp_enabled:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(self.model, options=options)
+            if self.args.should_save:
+                self.accelerator.unwrap_model(self.model).save_pretrained(directory, state_dict=state_dict)
+                torch.save(self.args, directory / "training_args.bin")
+        else:
+            super().save_model(str(directory), _internal_call=True)
+        if self.args.should_save:
+            (directory / RECIPE_FILE).write_text(json.dumps(self.recipe_record(), indent=2, default=str) + "\n")
+
+    def save_state(self) -> None:
+        """The run's trainer_state.json, replaced in one rename (HF writes it in place)."""
+        if self.is_world_process_zero():
+            path = Path(self.args.output_dir) / "trainer_state.json"
+            write_file_atomically(path, lambda temporary: self.state.save_to_json(str(temporary)))
+
+    def recipe_record(self) -> dict[str, Any]:
+        """The whole recipe as JSON (what export and provenance read; never a pickle), secrets removed."""
+        return remove_secrets(
+            {
+                "format": "dflash2-hub recipe",
+                **self.recipe,
+                "training_arguments": json.loads(self.args.to_json_string()),
+            }
+        )
 
     # -- publishing: exports only, never raw checkpoints -----------------------------------------
 
@@ -209,7 +322,7 @@ class DFlash2Trainer(Trainer):
         )
         evaluations = [log for log in self.state.log_history if "eval_loss" in log]
         record = {
-            "training_arguments": json.loads(self.args.to_json_string()),
+            **self.recipe_record(),
             "global_step": self.state.global_step,
             "evaluation": evaluations[-1] if evaluations else None,
         }

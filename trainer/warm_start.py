@@ -14,10 +14,17 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
+from trainer.fileio import check_local_checkpoint
 from trainer.loading import assert_draft_class
 
 logger = logging.getLogger(__name__)
+
+# The draft trains with float32 master weights, as a fresh draft does; mixed precision comes from
+# TrainingArguments (bf16 autocast), never from the `dtype` a config file happens to record.
+TRAINING_DTYPE = torch.float32
 
 # Fields whose disagreement makes the source's weights meaningless for the recipe's draft.
 SHAPE_FIELDS = (
@@ -83,11 +90,12 @@ def warm_start(
 ) -> DFlash2DraftModel:
     """A DFlash2 draft with the recipe's config and `init_from`'s weights (dir or Hub id)."""
     source_name = str(init_from)
+    init_from = check_local_checkpoint(init_from, "init_from", hub_kwargs.get("subfolder"))
     source = DFlash2Config.from_pretrained(init_from, **hub_kwargs)
     check_warm_start_compatible(
         source, recipe_config, source_name=source_name, allow_block_size_change=allow_block_size_change
     )
-    model = DFlash2DraftModel.from_pretrained(init_from, config=recipe_config, **hub_kwargs)
+    model = DFlash2DraftModel.from_pretrained(init_from, config=recipe_config, dtype=TRAINING_DTYPE, **hub_kwargs)
     assert_draft_class(model)
     logger.info(
         "Warm start from %s (%s): %s",

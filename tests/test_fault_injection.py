@@ -1,0 +1,139 @@
+"""Fault injection: a tiny run killed or signalled in and around its checkpoint saves, then resumed.
+
+Every scenario runs examples/train.py in a subprocess (tests/faults/train_with_fault.py), hits it
+at one point, then runs the same command with `--resume_from_checkpoint true` to the same
+max_steps. The resumed run must end bit-equal to an uninterrupted one: same final weights, same
+logged losses (CPU, float32, one thread, same seed: nothing in the step is nondeterministic, so
+any difference would be a resume bug, not noise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.tiny_setup import write_tiny_run
+from trainer.checkpoints import checkpoint_problems, list_checkpoints
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = REPO / "tests" / "faults" / "train_with_fault.py"
+TRAIN = REPO / "examples" / "train.py"
+RUN = {"max_steps": 6, "save_steps": 2, "save_total_limit": 2, "num_eval_samples": 0, "logging_steps": 1}
+KILLED = -signal.SIGKILL
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Scenario:
+    point: str
+    step: int
+    status: int  # of the faulted run
+    resumes_from: int  # the checkpoint step the resumed run must pick
+    message: str = ""  # expected in the faulted run's stderr
+
+
+SCENARIOS = [
+    Scenario("weights", 4, KILLED, 2),
+    Scenario("optimizer", 4, KILLED, 2),
+    Scenario("trainer_state", 4, KILLED, 2),
+    Scenario("manifest", 4, KILLED, 2),
+    Scenario("rename", 4, KILLED, 4),  # complete but not renamed: recovered, not thrown away
+    Scenario("rotation", 6, KILLED, 6),
+    Scenario("final_save", 6, KILLED, 6),
+    Scenario("between_steps", 5, KILLED, 4),
+    Scenario(
+        "sigterm",
+        3,
+        128 + signal.SIGTERM,
+        3,
+        "interrupted: stopped by SIGTERM after step 3: saved a complete checkpoint at ",
+    ),
+    Scenario("sigint", 5, 128 + signal.SIGINT, 5, "interrupted: stopped by SIGINT after step 5"),
+    Scenario("second_signal", 3, 128 + signal.SIGINT, 2, "received SIGINT again: exiting now"),
+]
+
+
+def python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def outcome(output: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]]:
+    weights = load_file(output / "model.safetensors")
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return weights, [(log["step"], log["loss"]) for log in history if "loss" in log]
+
+
+def play(root: Path, recipe: Path, scenario: Scenario | None) -> dict:
+    """The uninterrupted reference (no scenario), or a faulted run followed by its resume."""
+    if scenario is None:
+        return {"faulted": python(str(TRAIN), str(recipe), cwd=root), "output": root / "output"}
+    faulted = python(str(FAULTS), scenario.point, str(scenario.step), str(recipe), cwd=root)
+    survivors = {p.name: checkpoint_problems(p) for p in list_checkpoints(root / "output")}
+    resumed = python(str(TRAIN), str(recipe), "--resume_from_checkpoint", "true", cwd=root)
+    return {"faulted": faulted, "survivors": survivors, "resumed": resumed, "output": root / "output"}
+
+
+@pytest.fixture(scope="module")
+def played(tmp_path_factory) -> dict[str, dict]:
+    """The uninterrupted reference and every scenario, two processes at a time (one thread each).
+    The runs' files are written first, one after another: building the tiny target seeds torch's
+    global generator, which threads would share."""
+    root = tmp_path_factory.mktemp("faults")
+    jobs = {"reference": None, **{s.point: s for s in SCENARIOS}}
+    recipes = {name: write_tiny_run(root / name, **RUN) for name in jobs}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda name: play(root / name, recipes[name], jobs[name]), jobs)
+        return dict(zip(jobs, results, strict=True))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.point for s in SCENARIOS])
+def test_a_faulted_run_resumes_to_exactly_the_uninterrupted_result(played, scenario):
+    reference = played["reference"]
+    assert reference["faulted"].returncode == 0, reference["faulted"].stderr[-3000:]
+    result = played[scenario.point]
+    faulted, resumed = result["faulted"], result["resumed"]
+    assert faulted.returncode == scenario.status, faulted.stderr[-3000:]
+    assert scenario.message in faulted.stderr
+    # every directory left under a final checkpoint name is complete: no kill leaves a partial one
+    assert all(problems == [] for problems in result["survivors"].values()), result["survivors"]
+
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from {result['output'] / f'checkpoint-{scenario.resumes_from}'}" in resumed.stderr
+    leftovers = [p.name for p in result["output"].iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+    kept = list_checkpoints(result["output"])
+    assert kept[-1].name == "checkpoint-6" and len(kept) == RUN["save_total_limit"]
+    assert all(checkpoint_problems(path) == [] for path in kept)
+
+    expected_weights, expected_losses = outcome(reference["output"])
+    weights, losses = outcome(result["output"])
+    assert losses == expected_losses and len(losses) == RUN["max_steps"]
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in expected_weights.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_sigterm_saves_the_step_in_progress_and_prints_one_line(played):
+    faulted = played["sigterm"]["faulted"]
+    lines = [line for line in faulted.stderr.splitlines() if line.startswith(("interrupted:", "received"))]
+    assert lines[0].startswith("received SIGTERM: finishing the current step")
+    assert lines[1].startswith("interrupted: stopped by SIGTERM after step 3")
+    assert "Traceback" not in faulted.stderr
+    assert played["sigterm"]["survivors"] == {"checkpoint-2": [], "checkpoint-3": []}
+
+
+def test_a_second_signal_exits_at_once_without_the_checkpoint_it_interrupted(played):
+    survivors = played["second_signal"]["survivors"]
+    assert survivors == {"checkpoint-2": []}  # checkpoint-3 was being written: it never became visible

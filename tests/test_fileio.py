@@ -1,0 +1,167 @@
+"""trainer.fileio: local paths are told apart from Hub ids, and damaged safetensors files are named."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from trainer.fileio import (
+    check_checkpoint_weights,
+    check_local_checkpoint,
+    check_safetensors_file,
+    looks_like_local_path,
+    require_existing_path,
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "/data/x",
+        "./models/foo",
+        "../foo",
+        "~/models/foo",
+        ".",
+        "runs/my/target",
+        "chat.jsonl",
+        "data.json",
+        "train.parquet",
+        "model.gguf",
+        "recipe.yaml",
+        Path("target"),
+    ],
+)
+def test_local_looking_specs(spec):
+    assert looks_like_local_path(spec)
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "org/name", "Qwen/Qwen2.5-0.5B-Instruct", "hf://datasets/org/name/data"])
+def test_hub_ids_are_not_local(spec):
+    assert not looks_like_local_path(spec)
+
+
+@pytest.mark.parametrize("spec", ["./models/foo", "/data/x", "runs/my/target"])
+def test_missing_local_path_is_named(spec, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as caught:
+        require_existing_path(spec, "target")
+    assert str(caught.value) == f"target: local path {spec} does not exist"
+
+
+def test_existing_paths_and_hub_ids_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert require_existing_path("./models", "target") == "./models"
+    assert require_existing_path("org/name", "target") == "org/name"  # left to the Hub
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert require_existing_path("~/models", "target") == str(tmp_path / "models")  # expanded for the loaders
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4)} if tensors is None else tensors
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path
+
+
+def test_whole_safetensors_pass(tmp_path):
+    check_safetensors_file(_save(tmp_path / "model.safetensors"))
+    check_safetensors_file(_save(tmp_path / "empty.safetensors", {}))
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    path = _save(tmp_path / "model.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(ValueError) as caught:
+        check_safetensors_file(path)
+    assert str(caught.value) == f"{path} is truncated or corrupt: header says 40 bytes of tensor data, the file has 30"
+    path.write_bytes(data + b"\0")  # trailing bytes: not the file the header describes either
+    with pytest.raises(ValueError, match="header says 40 bytes of tensor data, the file has 41"):
+        check_safetensors_file(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"\x01\x02", "only 2 bytes, no room for the 8-byte header length"),
+        (struct.pack("<Q", 1000) + b"{}", "it claims 1000 bytes, the file has 2 after it"),
+        (struct.pack("<Q", 4) + b"nope", "not a JSON map of tensors to data_offsets"),
+        (struct.pack("<Q", 17) + b'{"a": {"x": [0]}}', "not a JSON map of tensors to data_offsets"),
+    ],
+)
+def test_corrupt_safetensors_header_is_named(tmp_path, content, reason):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as caught:
+        check_safetensors_file(path)
+    assert str(caught.value) == f"{path} is truncated or corrupt: header is not valid ({reason})"
+
+
+class CountingReader:
+    """A file handle that counts the bytes read through it."""
+
+    def __init__(self, handle):
+        self.handle, self.bytes_read = handle, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.handle.close()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.bytes_read += len(data)
+        return data
+
+
+def test_the_check_reads_the_header_only(tmp_path, monkeypatch):
+    path = _save(tmp_path / "model.safetensors", {"big": torch.zeros(1 << 20)})  # 4 MiB of data
+    readers = []
+    real_open = Path.open
+
+    def counting_open(self, *args, **kwargs):
+        readers.append(CountingReader(real_open(self, *args, **kwargs)))
+        return readers[-1]
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    check_safetensors_file(path)
+    assert len(readers) == 1 and readers[0].bytes_read < 1024
+
+
+def test_checkpoint_weights_check_every_shard(tmp_path):
+    _save(tmp_path / "model-00001-of-00002.safetensors")
+    shard = _save(tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    check_checkpoint_weights(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(ValueError, match=re.escape(f"{shard} is truncated or corrupt")):
+        check_checkpoint_weights(tmp_path)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{shard} is listed in")):
+        check_checkpoint_weights(tmp_path)
+
+
+def test_local_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="draft: local path /no/such/draft does not exist"):
+        check_local_checkpoint("/no/such/draft", "draft")
+    (tmp_path / "sub").mkdir()
+    path = _save(tmp_path / "sub" / "model.safetensors")
+    assert check_local_checkpoint(str(tmp_path), "draft") == str(tmp_path)  # no weights at the top
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        check_local_checkpoint(str(tmp_path), "draft", subfolder="sub")
+    assert check_local_checkpoint("org/name", "draft") == "org/name"
+
+
+def test_a_spec_that_can_only_be_local_is_checked_whatever_it_looks_like(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^checkpoint: local path checkpoint-3 does not exist$"):
+        require_existing_path("checkpoint-3", "checkpoint", local_only=True)

@@ -1,0 +1,66 @@
+"""The command-line scripts' front door: a user's mistake is one line on stderr, not a traceback.
+
+Errors a user can fix (a refused recipe value, a missing file, a broken contract rule, a Hub
+refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
+or `DFLASH2_DEBUG=1`, shows the full traceback instead. A run stopped by SIGTERM/SIGINT exits with
+128 + the signal number after its one line. Under torchrun / accelerate launch only rank 0 prints.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import yaml
+
+from trainer.preemption import TrainingInterrupted
+
+DEBUG_FLAG = "--debug"
+USER_ERROR_STATUS = 2
+# ValueError covers refused recipes, export rules and Hub id validation; OSError covers missing
+# files, full disks and Hub HTTP/connection errors; YAMLError a recipe that is not YAML;
+# FloatingPointError a diverged run (the step is named).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, yaml.YAMLError, FloatingPointError)
+
+
+def debug_requested(argv: list[str]) -> bool:
+    return DEBUG_FLAG in argv or os.environ.get("DFLASH2_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def is_rank_zero() -> bool:
+    """Only one process of a multi-process launch speaks (RANK is set by torchrun and accelerate)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def say(message: str) -> None:
+    if is_rank_zero():
+        print(message, file=sys.stderr, flush=True)
+
+
+def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoReturn:
+    """Call `main(argv)` (without `--debug`) and exit with 0, 2 for a user error, or 128 + signal."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    argv = [arg for arg in argv if arg != DEBUG_FLAG]
+    try:
+        main(argv)
+    except TrainingInterrupted as stop:
+        say(f"interrupted: {stop}")
+        sys.exit(stop.exit_status)
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        say(f"error: {describe(error)}")
+        sys.exit(USER_ERROR_STATUS)
+    sys.exit(0)
+
+
+def describe(error: BaseException) -> str:
+    """The message, or the exception's name when it has none (`FileNotFoundError` from a bare raise)."""
+    message = str(error).strip()
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
+        message = f"{message}: {error.filename}"
+    return message or type(error).__name__

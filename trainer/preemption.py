@@ -1,0 +1,113 @@
+"""Preemption: SIGTERM / SIGINT finish the current optimizer step, save a checkpoint and stop.
+
+Cluster schedulers (SLURM `--signal`, Kubernetes) send SIGTERM some time before they kill a job,
+and people press Ctrl-C. The handler only records the signal; at the end of the optimizer step in
+progress the callback asks the Trainer to save and stop. Ranks agree through a one-scalar
+all-reduce, so a signal that reached one rank stops them all at the same step. A second signal
+exits at once. A copy of the same signal within `DUPLICATE_WINDOW_S` is not a second signal: SLURM
+signals every process of a step and torchrun forwards its own SIGTERM to the workers as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_WINDOW_S = 1.0
+
+
+def exit_status(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + its number (143, 130)."""
+    return 128 + signum
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on a signal after saving a complete checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        saved = f"saved a complete checkpoint at {checkpoint}" if checkpoint else "no checkpoint could be saved"
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}: {saved}; "
+            "run the same command with --resume_from_checkpoint true to continue"
+        )
+
+    @property
+    def exit_status(self) -> int:
+        return exit_status(self.signum)
+
+
+class PreemptionCallback(TrainerCallback):
+    """Records SIGTERM / SIGINT while installed; turns them into save-and-stop at a step's end."""
+
+    def __init__(self, process_index: int = 0) -> None:
+        self.process_index = process_index
+        self.signum: int | None = None
+        self.received_at = 0.0
+        self.stopped_at_step: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    # -- the handler -----------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Take over the signals (main thread only; elsewhere Python cannot install handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("Not in the main thread: SIGTERM/SIGINT will not save a checkpoint before exiting.")
+            return
+        for signum in HANDLED_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.received_at = signum, now
+            self._say(
+                f"received {signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+                "(send the signal again to exit at once)"
+            )
+            return
+        if signum == self.signum and now - self.received_at < DUPLICATE_WINDOW_S:
+            return  # the same signal delivered twice (scheduler and launcher), not a second request
+        self._say(f"received {signal.Signals(signum).name} again: exiting now; the last complete checkpoint stays")
+        os._exit(exit_status(signum))
+
+    def _say(self, message: str) -> None:
+        if self.process_index == 0:
+            print(message, file=sys.stderr, flush=True)
+
+    # -- the callback ----------------------------------------------------------------------------
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self._agreed_signal(args)
+        if signum:
+            self.signum = self.signum or signum
+            self.stopped_at_step = state.global_step
+            control.should_save = True
+            control.should_evaluate = False  # the grace period is for the save, not an evaluation
+            control.should_training_stop = True
+        return control
+
+    def _agreed_signal(self, args) -> int:
+        """The signal any rank received (0: none); a collective only when there are several ranks."""
+        local = self.signum or 0
+        if args.world_size <= 1 or not torch.distributed.is_initialized():
+            return local
+        flag = torch.tensor([local], dtype=torch.int32, device=args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())

@@ -1,0 +1,243 @@
+"""Recipe and command-line values converted to their dataclass field's type, or refused with a one-line error.
+
+The argument dataclasses check no types, and YAML 1.1 (PyYAML) reads `1e-3` as a string and an unquoted `no` as
+false, so an unconverted value fails far from the recipe (a TypeError inside torch's Adam) or silently (the string
+"false" is truthy). Each value is converted by its field's resolved type hint: int, float, bool, str, enums,
+`Literal`, `list[...]`, `dict[...]` and unions of them (`X | None` included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal, Union
+
+TRUE_WORDS = frozenset({"true", "yes", "on", "1", "t", "y"})
+FALSE_WORDS = frozenset({"false", "no", "off", "0", "f", "n"})
+QUOTE_HINT = " (YAML reads an unquoted no/off/false or yes/on/true as a boolean: quote the word)"
+INT_LIMIT = Decimal(2) ** 63
+NONE_TYPE = type(None)
+
+
+class _Mismatch(Exception):
+    """A value does not fit a type; the caller words the error with the field's whole type."""
+
+
+def field_types(classes: typing.Iterable[type]) -> dict[str, Any]:
+    """Resolved type hints of the init fields of dataclasses (strings under `from __future__ import annotations`)."""
+    hints: dict[str, Any] = {}
+    for cls in classes:
+        resolved = typing.get_type_hints(cls)
+        hints.update({f.name: resolved[f.name] for f in dataclasses.fields(cls) if f.init})
+    return hints
+
+
+def field_choices(classes: typing.Iterable[type]) -> dict[str, tuple[Any, ...]]:
+    """The `choices` HfArgumentParser enforces on the command line (log_level, ddp_backend...), by field name."""
+    return {
+        f.name: tuple(f.metadata["choices"])
+        for cls in classes
+        for f in dataclasses.fields(cls)
+        if f.init and "choices" in f.metadata
+    }
+
+
+def convert(value: Any, hint: Any, label: str, choices: tuple[Any, ...] = ()) -> Any:
+    """`value` as type `hint` (and one of `choices` if any); otherwise a ValueError naming `label` (the field), the
+    value and the type."""
+    try:
+        converted = _convert(value, hint)
+    except _Mismatch:
+        quote = QUOTE_HINT if isinstance(value, bool) and _takes_words(hint) else ""
+        raise ValueError(f"{label}: {value!r} is not {describe(hint)}{quote}") from None
+    if choices and converted is not None and converted not in choices:
+        raise ValueError(f"{label}: {value!r} is not one of {', '.join(map(repr, choices))}")
+    return converted
+
+
+def describe(hint: Any) -> str:
+    """The type in words, for error messages: `int | None` is 'an int or null'."""
+    members = _members(hint)
+    if len(members) > 1:
+        words = [describe(member) for member in sorted(members, key=lambda member: member is NONE_TYPE)]
+        return f"{', '.join(words[:-1])} or {words[-1]}"
+    hint = members[0]
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if hint is NONE_TYPE:
+        return "null"
+    if hint is Any:
+        return "a value"
+    if origin is Literal:
+        return " or ".join(repr(arg) for arg in args)
+    if _is_enum(origin):
+        return f"one of {', '.join(repr(member.value) for member in origin)}"
+    if origin is list:
+        return f"a list of {_name(args[0])}" if args else "a list"
+    if origin is dict:
+        return f"a dict of {_name(args[0])} to {_name(args[1])}" if args else "a dict"
+    if origin is bool:
+        return "a bool (true/false)"
+    name = _name(hint)
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _name(hint: Any) -> str:
+    """A bare type name for list elements and dict keys/values."""
+    return "any value" if hint is Any else getattr(hint, "__name__", str(hint))
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    """A union's members; `str` is dropped beside an enum: TrainingArguments turns such strings into the enum."""
+    if typing.get_origin(hint) not in (Union, types.UnionType):
+        return (hint,)
+    members = typing.get_args(hint)
+    if any(_is_enum(member) for member in members):
+        members = tuple(member for member in members if member is not str)
+    return members
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
+
+
+def _takes_words(hint: Any) -> bool:
+    """Whether the type takes strings (where a YAML boolean was probably meant as a word, like `optim: no`)."""
+    for member in _members(hint):
+        origin = typing.get_origin(member)
+        if member is str or _is_enum(member) or (origin is list and _takes_words(typing.get_args(member)[0])):
+            return True
+    return False
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    members = _members(hint)
+    if len(members) > 1:
+        return _convert_union(value, members)
+    hint = members[0]
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if hint is Any:
+        return value
+    if hint is NONE_TYPE:
+        return _check(value, value is None)
+    if origin is Literal:
+        return _check(value, any(type(value) is type(arg) and value == arg for arg in args))
+    if _is_enum(origin):
+        return _to_enum(value, origin)
+    if origin in SCALARS:
+        return SCALARS[origin](value)
+    if origin is list:
+        return _to_list(value, args[0] if args else Any)
+    if origin is dict:
+        return _to_dict(value, *(args or (Any, Any)))
+    return _check(value, isinstance(origin, type) and isinstance(value, origin))
+
+
+def _check(value: Any, fits: bool) -> Any:
+    if not fits:
+        raise _Mismatch
+    return value
+
+
+def _convert_union(value: Any, members: tuple[Any, ...]) -> Any:
+    """None for a None value; otherwise members of the value's own kind first, then scalars, then containers."""
+    if value is None:
+        return _check(None, NONE_TYPE in members)
+    candidates = sorted((member for member in members if member is not NONE_TYPE), key=lambda m: _rank(value, m))
+    for member in candidates:
+        try:
+            return _convert(value, member)
+        except _Mismatch:
+            continue
+    raise _Mismatch
+
+
+def _rank(value: Any, member: Any) -> int:
+    origin = typing.get_origin(member) or member
+    if origin is Literal:
+        same_kind = any(type(value) is type(arg) and value == arg for arg in typing.get_args(member))
+    elif origin in (bool, int, float):
+        same_kind = type(value) is origin
+    elif _is_enum(origin):
+        same_kind = isinstance(value, str)
+    else:
+        same_kind = isinstance(origin, type) and isinstance(value, origin)
+    return 0 if same_kind else 2 if origin in (list, dict) else 1
+
+
+def _to_bool(value: Any) -> bool:
+    """true/false, 1/0, and the words HfArgumentParser and YAML use (`"false"` must not be truthy)."""
+    if type(value) is bool:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise _Mismatch
+
+
+def _to_int(value: Any) -> int:
+    """Integral numbers only: "1e3" and 2.0 are fine, 2.5 and true (a YAML boolean, not a count) are not."""
+    if type(value) is int:
+        return value
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            number = Decimal(value)
+        except InvalidOperation:
+            raise _Mismatch from None
+        if number.is_finite() and abs(number) < INT_LIMIT and number == number.to_integral_value():
+            return int(number)
+    raise _Mismatch
+
+
+def _to_float(value: Any) -> float:
+    """Numbers and numeric strings (YAML's "1e-3"); not booleans, and not NaN, which no setting means."""
+    if type(value) not in (int, float, str):
+        raise _Mismatch
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise _Mismatch from None
+    return _check(number, not math.isnan(number))
+
+
+def _to_str(value: Any) -> str:
+    """Strings, and numbers as written (`dataset_split: 1` is "1"); not booleans, lists or dicts."""
+    if isinstance(value, str):
+        return value
+    return str(_check(value, type(value) in (int, float)))
+
+
+SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _to_enum(value: Any, cls: type[enum.Enum]) -> Any:
+    """A member or a member's value, passed through unchanged (TrainingArguments converts it itself)."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, str):
+        raise _Mismatch
+    try:
+        cls(value)
+    except ValueError:
+        raise _Mismatch from None
+    return value
+
+
+def _to_list(value: Any, item: Any) -> list[Any]:
+    """Each element converted; a single scalar is a one-element list, as with HfArgumentParser's `--flag value`."""
+    if isinstance(value, dict):
+        raise _Mismatch
+    return [_convert(element, item) for element in (value if isinstance(value, list) else [value])]
+
+
+def _to_dict(value: Any, key: Any, item: Any) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise _Mismatch
+    return {_convert(name, key): _convert(element, item) for name, element in value.items()}
