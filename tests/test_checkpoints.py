@@ -88,6 +88,8 @@ def test_leftovers_are_recovered_when_complete_and_removed_otherwise(tmp_path):
     fake_checkpoint(staging_parent(tmp_path, 4) / "checkpoint-4", 4)  # killed just before its rename
     fake_checkpoint(staging_parent(tmp_path, 6) / "checkpoint-6", 6, manifest=False)  # killed mid-write
     (tmp_path / ".deleting-checkpoint-2-0123abcd").mkdir()  # killed mid-rotation
+    (tmp_path / ".saving-x1y2z3").mkdir()  # killed while replacing the run's own draft files
+    (tmp_path / ".trainer_state.json.123.tmp").write_text("{")  # killed mid-write
     clean_leftovers(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert checkpoint_problems(tmp_path / "checkpoint-4") == []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.fileio import fsync_path
+from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,11 @@ def clean_leftovers(run_dir: Path) -> None:
         else:
             logger.warning("Removing %s, left by an interrupted save.", parent)
         shutil.rmtree(parent, ignore_errors=True)
-    for trash in (p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith(TRASH_PREFIX)):
-        shutil.rmtree(trash, ignore_errors=True)
+    for path in run_dir.iterdir():
+        if path.is_dir() and path.name.startswith((TRASH_PREFIX, SAVING_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and path.name.startswith(".") and path.name.endswith(TEMPORARY_SUFFIX):
+            path.unlink()
 
 
 def publish_staged(staged: Path, final: Path, step: int) -> None:

@@ -48,6 +48,11 @@ def write_directory_atomically(directory: Path, write: Callable[[Path], None]) -
         raise
 
 
+# Names of what the atomic writers below leave behind only when killed mid-write.
+SAVING_PREFIX = ".saving-"
+TEMPORARY_SUFFIX = ".tmp"
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's data or a directory's entries to disk, so a rename that follows survives a crash."""
     descriptor = os.open(path, os.O_RDONLY)
@@ -63,7 +68,7 @@ def replace_files_atomically(directory: Path, write: Callable[[Path], None]) -> 
     and everything else there (a run's checkpoints) is left alone."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(dir=directory, prefix=".saving-"))
+    temporary = Path(tempfile.mkdtemp(dir=directory, prefix=SAVING_PREFIX))
     try:
         write(temporary)
         for path in sorted(temporary.iterdir()):
@@ -173,7 +178,7 @@ def check_local_checkpoint(spec: str | os.PathLike, what: str, subfolder: str | 
 def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """`write(temporary)` into a sibling, then one rename: readers see the old file or the new one."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}{TEMPORARY_SUFFIX}")
     try:
         write(temporary)
         fsync_path(temporary)

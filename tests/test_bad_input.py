@@ -1,0 +1,375 @@
+"""Bad input to the command-line scripts: exit status 2 and one `error:` line naming the problem.
+
+The table runs each script's `main` through `trainer.cli.run`, exactly as its `__main__` does, on
+the tiny run of tests/distributed/tiny_setup.py; the subprocess tests check that wiring itself,
+`--debug`, and that only one rank speaks under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from examples import evaluate, export, prepare, publish, train
+from modeling_dflash2 import DFlash2DraftModel
+from tests.distributed.tiny_setup import write_tiny_run
+from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.checkpoints import write_manifest
+from trainer.cli import run
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = {"train": train, "prepare": prepare, "export": export, "publish": publish, "evaluate": evaluate}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny target, draft config, chat data and recipe, plus a saved draft checkpoint."""
+    root = tmp_path_factory.mktemp("base")
+    write_tiny_run(root)
+    draft = DFlash2DraftModel(tiny_draft_config_for(tiny_target()))
+    draft.save_pretrained(root / "checkpoint")
+    return root
+
+
+def recipe(base: Path, where: Path, **changes) -> str:
+    """The base recipe with `changes` (a value of None removes the key), written under `where`."""
+    values = yaml.safe_load((base / "recipe.yaml").read_text())
+    values.update(output_dir=str(where / "output"), cache_dir=str(where / "cache"))
+    values.update(changes)
+    path = where / "recipe.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in values.items() if v is not None}))
+    return str(path)
+
+
+def data_file(where: Path, name: str, content: bytes) -> str:
+    (where / name).write_bytes(content)
+    return str(where / name)
+
+
+def jsonl(rows: list) -> bytes:
+    return "\n".join(json.dumps(row) for row in rows).encode()
+
+
+def truncated_copy(source: Path, where: Path) -> Path:
+    """A copy of a checkpoint whose model.safetensors lost its second half."""
+    copy = where / "truncated"
+    copy.mkdir()
+    for path in source.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    weights = copy / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    return copy
+
+
+def incomplete_checkpoint(base: Path, where: Path) -> Path:
+    checkpoint = where / "output" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    for path in (base / "checkpoint").iterdir():
+        (checkpoint / path.name).write_bytes(path.read_bytes())
+    (checkpoint / "optimizer.pt").write_bytes(b"o" * 64)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    write_manifest(checkpoint, 2)
+    os.truncate(checkpoint / "optimizer.pt", 10)
+    return checkpoint
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo crafted",))
+
+
+def crafted_checkpoint(base: Path, where: Path) -> Path:
+    checkpoint = incomplete_checkpoint(base, where)
+    (checkpoint / "optimizer.pt").write_bytes(b"o" * 64)
+    (checkpoint / "optimizer_0").mkdir()
+    (checkpoint / "optimizer_0" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    write_manifest(checkpoint, 2)
+    return checkpoint
+
+
+def wider_draft_config(base: Path, where: Path) -> str:
+    config = json.loads((base / "draft.json").read_text())
+    config.update(hidden_size=64, intermediate_size=64)
+    return data_file(where, "wide.json", json.dumps(config).encode())
+
+
+def wider_target(base: Path, where: Path) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base / "target")
+    config.update({"hidden_size": 64})
+    AutoModelForCausalLM.from_config(config).save_pretrained(where / "wide-target")
+    return str(where / "wide-target")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    script: str
+    argv: Callable[[Path, Path], list[str]]  # (base, case folder) -> command line
+    error: str  # the start of the `error:` line (after "error: "), with {base} / {case} filled in
+
+
+def train_with(**changes) -> Callable[[Path, Path], list[str]]:
+    return lambda base, where: [recipe(base, where, **changes)]
+
+
+CASES = [
+    # recipes
+    Case(
+        "string for a float",
+        "train",
+        train_with(learning_rate="fast"),
+        "recipe field learning_rate: 'fast' is not a float",
+    ),
+    Case("word for an int", "train", train_with(max_steps="four"), "recipe field max_steps: 'four' is not an int"),
+    Case("bool for an int", "train", train_with(max_steps=True), "recipe field max_steps: True is not an int"),
+    Case(
+        "string for a bool", "train", train_with(regenerate="maybe"), "recipe field regenerate: 'maybe' is not a bool"
+    ),
+    Case("unquoted no", "train", train_with(optim=False), "recipe field optim: False is not one of 'adamw_torch'"),
+    Case(
+        "unknown key", "train", train_with(num_anchor=3), "unknown recipe field num_anchor (did you mean num_anchors?)"
+    ),
+    Case(
+        "bad override",
+        "train",
+        lambda base, where: [recipe(base, where), "--learning_rate", "1e-3x"],
+        "argument --learning_rate: '1e-3x' is not a float",
+    ),
+    Case(
+        "objective setting",
+        "train",
+        train_with(selector_gold="maybe"),
+        "selector_gold must be one of ('skip', 'insert') (got 'maybe').",
+    ),
+    Case(
+        "no recipe",
+        "train",
+        lambda base, where: [str(where / "missing.yaml")],
+        "recipe {case}/missing.yaml does not exist",
+    ),
+    Case(
+        "not YAML",
+        "prepare",
+        lambda base, where: [data_file(where, "broken.yaml", b"target: [a\nmax_steps: 2\n")],
+        "recipe {case}/broken.yaml is not valid YAML: expected ',' or ']', but got ':' (line 2, column 10)",
+    ),
+    Case(
+        "missing target",
+        "train",
+        train_with(target="./no/such/target"),
+        "target: local path ./no/such/target does not exist",
+    ),
+    Case(
+        "missing draft config",
+        "train",
+        train_with(draft_config="no-such-draft.json"),
+        "draft_config: no-such-draft.json does not exist",
+    ),
+    Case(
+        "draft wider than target",
+        "train",
+        lambda base, where: [recipe(base, where, draft_config=wider_draft_config(base, where))],
+        "draft hidden_size=64 != target hidden size 32",
+    ),
+    # data
+    Case(
+        "empty dataset",
+        "prepare",
+        lambda base, where: [recipe(base, where, dataset=data_file(where, "empty.jsonl", b""))],
+        "dataset {case}/empty.jsonl has no rows",
+    ),
+    Case(
+        "not UTF-8",
+        "train",
+        lambda base, where: [
+            recipe(
+                base,
+                where,
+                dataset=data_file(where, "latin1.jsonl", jsonl([{"prompt": "hi"}]) + b'\n{"prompt": "caf\xe9"}'),
+            )
+        ],
+        "dataset {case}/latin1.jsonl: line 2 is not valid UTF-8 (byte 0xe9 at column 16)",
+    ),
+    Case(
+        "message without content",
+        "train",
+        lambda base, where: [
+            recipe(
+                base,
+                where,
+                dataset=data_file(
+                    where,
+                    "chat.jsonl",
+                    jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}]),
+                ),
+            )
+        ],
+        "dataset {case}/chat.jsonl row 0: message 1 has no 'content'",
+    ),
+    Case(
+        "null prompt",
+        "train",
+        lambda base, where: [
+            recipe(
+                base,
+                where,
+                regenerate=True,
+                dataset=data_file(where, "prompts.jsonl", jsonl([{"prompt": "hello"}, {"prompt": None}])),
+            )
+        ],
+        "dataset {case}/prompts.jsonl row 1: 'prompt' is null",
+    ),
+    Case(
+        "every sample held out",
+        "train",
+        train_with(num_eval_samples=50),
+        "num_eval_samples=50 holds out every one of the 24 samples of {base}/chat.jsonl: set it below 24",
+    ),
+    Case(
+        "missing dataset",
+        "train",
+        train_with(dataset="data/missing.jsonl"),
+        "dataset: local path data/missing.jsonl does not exist",
+    ),
+    # checkpoints
+    Case(
+        "incomplete checkpoint",
+        "train",
+        lambda base, where: [recipe(base, where, resume_from_checkpoint=str(incomplete_checkpoint(base, where)))],
+        "checkpoint {case}/output/checkpoint-2 cannot be resumed from: optimizer.pt has 10 bytes, the manifest says 64",
+    ),
+    Case(
+        "crafted pickle in a checkpoint",
+        "train",
+        lambda base, where: [recipe(base, where, resume_from_checkpoint=str(crafted_checkpoint(base, where)))],
+        "checkpoint {case}/output/checkpoint-2 cannot be resumed from: optimizer_0/.metadata is not a plain checkpoint "
+        "index (refers to posix.system)",
+    ),
+    Case(
+        "missing warm start",
+        "train",
+        train_with(init_from="/no/such/draft"),
+        "init_from: local path /no/such/draft does not exist",
+    ),
+    Case(
+        "truncated warm start",
+        "train",
+        lambda base, where: [recipe(base, where, init_from=str(truncated_copy(base / "checkpoint", where)))],
+        "{case}/truncated/model.safetensors is truncated or corrupt",
+    ),
+    # export and publish
+    Case(
+        "missing checkpoint",
+        "export",
+        lambda base, where: [str(where / "run"), str(where / "out"), "--target", str(base / "target")],
+        "checkpoint: local path {case}/run does not exist",
+    ),
+    Case(
+        "truncated checkpoint",
+        "export",
+        lambda base, where: [
+            str(truncated_copy(base / "checkpoint", where)),
+            str(where / "out"),
+            "--target",
+            str(base / "target"),
+        ],
+        "{case}/truncated/model.safetensors is truncated or corrupt",
+    ),
+    Case(
+        "export over the run",
+        "export",
+        lambda base, where: [str(base / "checkpoint"), str(base), "--target", str(base / "target"), "--overwrite"],
+        "export output {base} is or holds the checkpoint {base}/checkpoint: choose another folder",
+    ),
+    Case(
+        "export output exists",
+        "export",
+        lambda base, where: [str(base / "checkpoint"), str(where), "--target", str(base / "target")],
+        "export output {case} exists: set overwrite=True (--overwrite) to replace it",
+    ),
+    Case(
+        "export for another target",
+        "export",
+        lambda base, where: [str(base / "checkpoint"), str(where / "out"), "--target", wider_target(base, where)],
+        "the draft breaks the public checkpoint contract:",
+    ),
+    Case(
+        "missing export target",
+        "export",
+        lambda base, where: [str(base / "checkpoint"), str(where / "out"), "--target", "./no/target"],
+        "target: local path ./no/target does not exist",
+    ),
+    Case(
+        "publish a raw checkpoint",
+        "publish",
+        lambda base, where: [str(base / "checkpoint"), "org/draft"],
+        "{base}/checkpoint is not an export folder",
+    ),
+    Case(
+        "evaluate a missing draft",
+        "evaluate",
+        lambda base, where: ["--target", str(base / "target"), "--draft", "./no/draft"],
+        "draft: local path ./no/draft does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_is_one_error_line_and_status_2(base, tmp_path, capsys, case):
+    argv = case.argv(base, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run(SCRIPTS[case.script].main, argv)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    expected = "error: " + case.error.format(base=base, case=tmp_path)
+    assert errors[0].startswith(expected), f"{errors[0]!r} does not start with {expected!r}"
+
+
+def test_debug_shows_the_traceback_instead(base, tmp_path, monkeypatch):
+    argv = [recipe(base, tmp_path, max_steps="four")]
+    with pytest.raises(ValueError, match="recipe field max_steps"):
+        run(train.main, [*argv, "--debug"])
+    monkeypatch.setenv("DFLASH2_DEBUG", "1")
+    with pytest.raises(ValueError, match="recipe field max_steps"):
+        run(train.main, argv)
+
+
+def script(*args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("DFLASH2_DEBUG", None)
+    command = [sys.executable, *launcher, *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_the_scripts_themselves_print_one_line_and_exit_2(base, tmp_path):
+    bad = recipe(base, tmp_path, learning_rate="fast")
+    result = script(str(REPO / "examples" / "train.py"), bad, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: recipe field learning_rate: 'fast' is not a float"
+    assert "Traceback" not in result.stderr
+    debug = script(str(REPO / "examples" / "train.py"), bad, "--debug", cwd=tmp_path)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_prints_the_error(base, tmp_path):
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    result = script(
+        str(REPO / "examples" / "train.py"), recipe(base, tmp_path, max_steps="four"), cwd=tmp_path, launcher=launcher
+    )
+    assert result.returncode != 0
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "error: recipe field max_steps" in line]
+    assert lines == ["error: recipe field max_steps: 'four' is not an int"]
