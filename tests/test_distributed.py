@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.checkpoints import MANIFEST, checkpoint_problems
 from trainer.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,10 +25,12 @@ AUTO_MAP = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "m
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
 
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def torchrun(*args: str, cwd: Path, expect_success: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if not expect_success:
+        return result
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert LEAKED_WRAPPER_WARNING not in result.stderr
     return result
@@ -36,11 +40,18 @@ def assert_draft_directory(directory: Path, extra: set[str] = frozenset()) -> No
     files = {p.name for p in directory.iterdir() if not p.name.startswith("checkpoint-")}
     assert files >= DRAFT_FILES, files
     assert not any(name.endswith(".py") and name not in DRAFT_FILES for name in files), files
-    assert files - DRAFT_FILES <= extra | {"training_args.bin", "trainer_state.json", "demo_summary.json", "runs"}, (
-        files
-    )
+    allowed = {"training_args.bin", "trainer_state.json", "demo_summary.json", "runs", "dflash2_recipe.json"}
+    assert files - DRAFT_FILES <= extra | allowed, files
     config = json.loads((directory / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["DFlash2DraftModel"]
+
+
+def assert_complete(checkpoint: Path, written_by_all_ranks: set[str]) -> None:
+    """The manifest lists what every rank wrote, and nothing staged is left beside the checkpoint."""
+    assert checkpoint_problems(checkpoint) == []
+    listed = set(json.loads((checkpoint / MANIFEST).read_text())["files"])
+    assert written_by_all_ranks <= listed, listed
+    assert not [p.name for p in checkpoint.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
@@ -49,7 +60,8 @@ def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
     output = tmp_path / "output"
     resume_files = {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"}
     for checkpoint in ("checkpoint-2", "checkpoint-4"):
-        assert_draft_directory(output / checkpoint, extra=resume_files)
+        assert_draft_directory(output / checkpoint, extra=resume_files | {MANIFEST})
+        assert_complete(output / checkpoint, {"rng_state_0.pth", "rng_state_1.pth"})
     assert_draft_directory(output)
     state = json.loads((output / "checkpoint-4" / "trainer_state.json").read_text())
     train_logs = [log for log in state["log_history"] if "loss" in log and "eval_loss" not in log]
@@ -73,8 +85,10 @@ def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
                 "trainer_state.json",
                 "rng_state_0.pth",
                 "rng_state_1.pth",
+                MANIFEST,
             },
         )
+        assert_complete(directory, {"pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "rng_state_1.pth"})
     assert_draft_directory(output)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert "eval_tau_walk" in metrics and "eval_coverage" in metrics
@@ -85,6 +99,31 @@ def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
     saved = load_file(output / "model.safetensors")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_with_one_checkpoint(tmp_path):
+    recipe = write_tiny_run(tmp_path, max_steps=6, num_eval_samples=0)
+    faults = REPO / "tests" / "faults" / "train_with_fault.py"
+    result = torchrun(str(faults), "sigterm_rank_1", "3", str(recipe), cwd=tmp_path, expect_success=False)
+    assert result.returncode != 0
+    output = tmp_path / "output"
+    said = [line for line in result.stderr.splitlines() if line.startswith("interrupted:")]
+    assert said == [
+        f"interrupted: stopped by SIGTERM after step 3: saved a complete checkpoint at {output / 'checkpoint-3'}; "
+        "run the same command with --resume_from_checkpoint true to continue"
+    ]
+    # rank 0 never got the signal, yet stopped with it; both exit with SIGTERM's status
+    assert re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (\d+)", result.stderr) in (
+        [("1", "143"), ("0", "143")],
+        [("0", "143"), ("1", "143")],
+    )
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
+    assert_complete(output / "checkpoint-3", {"rng_state_0.pth", "rng_state_1.pth"})
+    state = json.loads((output / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
 
 
 class RecordingAccelerator:

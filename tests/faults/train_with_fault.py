@@ -119,6 +119,9 @@ def install(point: str, step: int) -> None:
     elif point in ("sigterm", "sigint"):
         signum = signal.SIGTERM if point == "sigterm" else signal.SIGINT
         callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signum)))
+    elif point == "sigterm_rank_1":  # under torchrun: only rank 1 is told; every rank must stop with it
+        if os.environ.get("RANK") == "1":
+            callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
     elif point == "second_signal":  # SIGTERM during the step, then Ctrl-C during its checkpoint save
         callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
         real_save = torch.save
