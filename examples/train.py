@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.preemption.stopped_at_step is not None:
+        # handled until exit: the copy of the signal a launcher forwards (or sends when another rank
+        # has exited) must not cut this rank's report short
+        trainer.preemption.install()
         close_process_group(trainer)
         checkpoint = trainer.last_checkpoint
         raise TrainingInterrupted(

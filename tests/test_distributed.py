@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,15 +107,11 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_with_one_checkpo
     assert result.returncode != 0
     output = tmp_path / "output"
     said = [line for line in result.stderr.splitlines() if line.startswith("interrupted:")]
+    # only rank 0 speaks, and it never got the signal: it stopped because rank 1 did
     assert said == [
         f"interrupted: stopped by SIGTERM after step 3: saved a complete checkpoint at {output / 'checkpoint-3'}; "
         "run the same command with --resume_from_checkpoint true to continue"
     ]
-    # rank 0 never got the signal, yet stopped with it; both exit with SIGTERM's status
-    assert re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (\d+)", result.stderr) in (
-        [("1", "143"), ("0", "143")],
-        [("0", "143"), ("1", "143")],
-    )
     assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == [
         "checkpoint-2",
         "checkpoint-3",
