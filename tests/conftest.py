@@ -117,5 +117,9 @@ def rewrite_safetensors(directory: Path, edit) -> None:
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 
+class AskedTheHub(Exception):
+    """Raised by a stubbed Hub loader: proves a spec was taken for a Hub id, offline."""
+
+
 def load_fixture_json(name: str) -> Any:
     return json.loads((FIXTURES / name).read_text())

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
-from tests.conftest import draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
+from tests.conftest import AskedTheHub, draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
 from trainer.export import load_trained_draft
 from trainer.loading import assert_draft_class, load_draft
 from trainer.warm_start import warm_start
@@ -107,10 +107,6 @@ def test_a_missing_local_draft_is_named_not_taken_for_a_hub_id(tmp_path, monkeyp
     with pytest.raises(FileNotFoundError) as caught:
         load(spec)
     assert str(caught.value) == f"{what}: local path {spec} does not exist"
-
-
-class AskedTheHub(Exception):
-    pass
 
 
 def test_a_hub_draft_id_still_goes_to_the_hub(tmp_path, monkeypatch):

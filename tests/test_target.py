@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from modeling_dflash2 import DFlash2DraftModel
+from tests.conftest import AskedTheHub
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer import target as target_module
 from trainer.export import TargetDimensions
@@ -89,10 +90,6 @@ def test_a_missing_local_target_is_named_not_taken_for_a_hub_id(spec, tmp_path, 
         with pytest.raises(FileNotFoundError) as caught:
             load(spec)
         assert str(caught.value) == f"target: local path {spec} does not exist"
-
-
-class AskedTheHub(Exception):
-    pass
 
 
 def test_a_hub_target_id_still_goes_to_the_hub(tmp_path, monkeypatch):
