@@ -72,7 +72,7 @@ files = sorted(p.name for p in __import__("pathlib").Path(snapshot_download(sys.
 print(files)
 model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16).eval()
 assert type(model).__name__ == "DFlash2DraftModel", type(model)
-inputs = torch.load(sys.argv[2])
+inputs = torch.load(sys.argv[2], weights_only=True)
 with torch.no_grad():
     torch.save(model.compute_logits(model(**inputs["forward"]), inputs["head"]), sys.argv[3])
 """
@@ -110,11 +110,11 @@ def test_push_then_snapshot_download_and_automodel_reproduce_the_logits(tmp_path
         assert set(repo.files) == {p.name for p in folder.iterdir()}
         result = run_client(DOWNLOAD_AND_RUN, hub, tmp_path, "org/draft", str(_inputs(tmp_path)), "logits.pt")
         assert result.returncode == 0, result.stderr[-3000:]
-    inputs = torch.load(tmp_path / "inputs.pt")
+    inputs = torch.load(tmp_path / "inputs.pt", weights_only=True)
     reference = draft.to(torch.bfloat16).eval()
     with torch.no_grad():
         expected = reference.compute_logits(reference(**inputs["forward"]), inputs["head"])
-    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    assert torch.equal(torch.load(tmp_path / "logits.pt", weights_only=True), expected)
     assert all(auth == f"Bearer {TOKEN}" for auth in hub.state.authorizations)
 
 

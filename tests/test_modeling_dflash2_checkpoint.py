@@ -217,7 +217,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     model = AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
     assert type(model).__name__ == "DFlash2DraftModel", type(model)
     assert "transformers_modules" in type(model).__module__, type(model).__module__
-    inputs = torch.load(sys.argv[3])
+    inputs = torch.load(sys.argv[3], weights_only=True)
     with torch.no_grad():
         hidden = model(**inputs["forward"])
         logits = model.compute_logits(hidden, inputs["head"])
@@ -256,7 +256,7 @@ def test_remote_code_loads_offline_without_this_repo_and_reproduces_logits(tmp_p
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    remote = torch.load(tmp_path / "out.pt")
+    remote = torch.load(tmp_path / "out.pt", weights_only=True)
     with torch.no_grad():
         hidden = model(**inputs["forward"])
         logits = model.compute_logits(hidden, inputs["head"])
