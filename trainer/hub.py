@@ -71,7 +71,7 @@ def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
 
 def validate_export_folder(folder: str | os.PathLike) -> None:
     """Re-check a folder against the public contract from what is on disk: the exact file set,
-    config.json, and every rule of contract.md §7 that needs no target (the target's dimensions
+    config.json, and every contract rule that needs no target (the target's dimensions
     were checked at export). The block size must be the one the provenance records for serving."""
     folder = Path(folder)
     check_export_folder(folder)
