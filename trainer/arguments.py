@@ -34,6 +34,14 @@ class ModelArguments:
     )
     target_dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa | eager | flex_attention"})
+    target_sharding: str = field(
+        default="none",
+        metadata={
+            "help": "none: every rank holds the whole frozen target; fsdp: FSDP2 shards its decoder layers "
+            "across ranks (embedding and LM head stay whole on every rank).",
+            "choices": ["none", "fsdp"],
+        },
+    )
     init_from: str | None = field(
         default=None, metadata={"help": "Warm start: a z-lab DFlash2 or DFlash v1 draft, or a dflash2-hub checkpoint."}
     )
