@@ -9,6 +9,7 @@ from .modeling_dflash2 import (
     DFlashDraftModel,
     block_visibility,
     grouped_dynamic_causal_conv,
+    join_lattices,
     unary_transform,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "DFlashSettings",
     "block_visibility",
     "grouped_dynamic_causal_conv",
+    "join_lattices",
     "resolve_dflash_settings",
     "unary_transform",
 ]

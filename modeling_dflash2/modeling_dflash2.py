@@ -11,6 +11,7 @@ This file ships inside every checkpoint: it may import only torch, transformers 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, eager_attention_forward, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, eager_attention_forward
 
 from .configuration_dflash2 import (
     DFLASH2_ARCHITECTURE,
@@ -65,11 +66,63 @@ def unary_transform(logits: torch.Tensor, output_multiplier: float, softcap: flo
     return logits
 
 
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    """At least fp32, without a cast op when it already is (every op is a kernel launch)."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+
+
 def apply_output_head(hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
     """The target's LM head, given as a module (`lm_head`) or as its weight matrix [V, H]."""
     if isinstance(output_head, torch.Tensor):
         return F.linear(hidden, output_head)
     return output_head(hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Qwen3's RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)` with x in fp32, with a
+    hand-written backward: the same forward bits in a third of autograd's kernel launches."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        values = _as_float(hidden)
+        inverse_rms = (values * values).sum(-1, keepdim=True).div_(values.shape[-1]).add_(eps).rsqrt_()
+        normed = values * inverse_rms
+        ctx.save_for_backward(normed, inverse_rms, weight)
+        ctx.input_dtype = hidden.dtype
+        return weight * (normed if hidden.dtype == torch.float32 else normed.to(hidden.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        normed, inverse_rms, weight = ctx.saved_tensors
+        grad = _as_float(grad_output)
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad * _as_float(weight)
+            projection = (grad_normed * normed).sum(-1, keepdim=True).div_(normed.shape[-1])
+            grad_hidden = grad_normed.sub_(normed * projection).mul_(inverse_rms).to(ctx.input_dtype)
+        return grad_hidden, grad_weight, None
+
+
+class DFlashRMSNorm(nn.Module):
+    """RMSNorm with Qwen3's semantics and parameter name (`weight`), computed by `_RMSNormFunction`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,21 +147,28 @@ class DFlashRotaryEmbedding(nn.Module):
         return 1.0 / (self.theta**exponents)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [b, 1, len, d] for `apply_rotary`; sin's first half carries rotate-half's minus sign."""
         inv_freq = self.inverse_frequencies(position_ids.device)
         with torch.autocast(device_type=position_ids.device.type, enabled=False):
-            freqs = position_ids.float()[..., None] * inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)
-            return emb.cos().to(dtype), emb.sin().to(dtype)
+            freqs = position_ids.float()[:, None, :, None] * inv_freq
+            cos = freqs.cos().repeat(1, 1, 1, 2)
+            sin = freqs.sin()
+            return cos.to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] on the last axis: rotate-half without its sign (one flip, no cat)."""
+    return tensor.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def apply_rotary(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate [b, heads, len, d] queries and keys; queries take the last `q_len` positions."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """Rotate [b, heads, len, d] queries and keys (x cos + rotate_half(x) sin, exactly); the
+    queries take the last `q_len` positions. `cos`, `sin` as `DFlashRotaryEmbedding` returns them."""
     q_len = query.shape[-2]
-    query = query * cos[..., -q_len:, :] + rotate_half(query) * sin[..., -q_len:, :]
-    key = key * cos + rotate_half(key) * sin
+    query = query * cos[..., -q_len:, :] + swap_halves(query) * sin[..., -q_len:, :]
+    key = key * cos + swap_halves(key) * sin
     return query, key
 
 
@@ -164,8 +224,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = DFlashRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -255,22 +315,80 @@ def grouped_dynamic_causal_conv(
     channels. A tap reaching before the start of t's own block reads zero, so blocks packed side by
     side never see each other. Accumulates in fp32.
     """
-    batch, length, hidden_size = hidden.shape
+    length = hidden.shape[1]
     if length % block_size != 0:
         raise ValueError(
             f"DFlash2 convolution: sequence length {length} is not a multiple of the block size {block_size}; "
             "the draft must be run on whole blocks of the trained size."
         )
-    kernel_size, groups = dynamic_kernel.shape[-2:]
-    blocks = length // block_size
-    values = hidden.float().view(batch, blocks, block_size, groups, hidden_size // groups)
-    dynamic = dynamic_kernel.float().view(batch, blocks, block_size, kernel_size, groups, 1)
-    base = base_kernel.float().view(kernel_size, groups, hidden_size // groups)
-    output = torch.zeros_like(values)
-    for offset in range(min(kernel_size, block_size)):
-        shifted = values if offset == 0 else F.pad(values[:, :, :-offset], (0, 0, 0, 0, offset, 0))
-        output = output + (base[offset] + dynamic[:, :, :, offset]) * shifted
-    return output.view(batch, length, hidden_size).to(hidden.dtype)
+    return _GroupedDynamicCausalConv.apply(hidden, base_kernel, dynamic_kernel, block_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_conv_taps(length: int, block_size: int, kernel_size: int, device: torch.device):
+    return _conv_taps(length, block_size, kernel_size, device)
+
+
+def _conv_taps(
+    length: int, block_size: int, kernel_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each tap reads: source rows [L * k] (row t - o for tap o of row t) and whether the tap
+    stays inside t's block [L, k, 1, 1] (a tap that would cross the block start reads zero)."""
+    rows = torch.arange(length, device=device)
+    offsets = torch.arange(kernel_size, device=device)
+    inside = (rows % block_size)[:, None] >= offsets
+    sources = torch.where(inside, rows[:, None] - offsets, rows[:, None])
+    return sources.reshape(-1), inside.float()[..., None, None]
+
+
+def conv_taps(length: int, block_size: int, kernel_size: int, device: torch.device):
+    """`_conv_taps`, cached in eager mode (they depend on shapes only); traced when compiling."""
+    if torch.compiler.is_compiling():
+        return _conv_taps(length, block_size, kernel_size, device)
+    return _cached_conv_taps(length, block_size, kernel_size, device)
+
+
+def _conv_kernel(base_kernel, dynamic_kernel, inside, groups: int) -> torch.Tensor:
+    """Per-position kernel [b, L, k, G, H/G] = base + dynamic, zero on taps outside the block."""
+    kernel_size = dynamic_kernel.shape[2]
+    base = _as_float(base_kernel).view(kernel_size, groups, -1)
+    return (base + _as_float(dynamic_kernel)[..., None]) * inside
+
+
+class _GroupedDynamicCausalConv(torch.autograd.Function):
+    """The convolution as one gather of the taps, with a hand-written backward (a scatter-add and
+    two reductions): few kernels per call, and nothing of size k x H per position kept between
+    the passes (the kernel and the gathered taps are recomputed)."""
+
+    @staticmethod
+    def forward(ctx, hidden, base_kernel, dynamic_kernel, block_size: int) -> torch.Tensor:
+        batch, length = hidden.shape[:2]
+        kernel_size, groups = dynamic_kernel.shape[-2:]
+        sources, inside = conv_taps(length, block_size, kernel_size, hidden.device)
+        taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
+        output = (taps * _conv_kernel(base_kernel, dynamic_kernel, inside, groups)).sum(2).view(hidden.shape)
+        ctx.save_for_backward(hidden, base_kernel, dynamic_kernel, sources, inside)
+        return output if output.dtype == hidden.dtype else output.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, base_kernel, dynamic_kernel, sources, inside = ctx.saved_tensors
+        batch, length, hidden_size = hidden.shape
+        kernel_size, groups = dynamic_kernel.shape[-2:]
+        grad = _as_float(grad_output).view(batch, length, 1, groups, -1)
+        grad_hidden = grad_base = grad_dynamic = None
+        if ctx.needs_input_grad[0]:
+            sent = (_conv_kernel(base_kernel, dynamic_kernel, inside, groups) * grad).view(batch, -1, hidden_size)
+            grad_hidden = torch.zeros_like(hidden, dtype=sent.dtype).index_add_(1, sources, sent)
+            grad_hidden = grad_hidden if grad_hidden.dtype == hidden.dtype else grad_hidden.to(hidden.dtype)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
+            products = taps * (grad * inside)  # [b, L, k, G, H/G]: grad[t, c] * hidden[t - o, c] inside the block
+            if ctx.needs_input_grad[1]:
+                grad_base = products.sum((0, 1)).view(base_kernel.shape).to(base_kernel.dtype)
+            if ctx.needs_input_grad[2]:
+                grad_dynamic = products.sum(-1).to(dynamic_kernel.dtype)
+        return grad_hidden, grad_base, grad_dynamic, None
 
 
 class DFlash2GroupedDynamicConv(nn.Module):
@@ -310,8 +428,8 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = DFlashAttention(config, settings, layer_idx)
         self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention_conv: DFlash2GroupedDynamicConv | None = None
         self.mlp_conv: DFlash2GroupedDynamicConv | None = None
         self.block_size = settings.block_size
@@ -464,9 +582,15 @@ class DFlash2CandidateSelector(nn.Module):
         candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SelectorWalk:
         """The serving walk from the anchor: greedy (ties to the higher unary candidate) or sampled."""
+        return self.walk_lattice(self.lattice(hidden, unary, anchor_ids, candidates), temperature, generator)
+
+    @staticmethod
+    def walk_lattice(
+        lattice: SelectorLattice, temperature: float = 0.0, generator: torch.Generator | None = None
+    ) -> SelectorWalk:
+        """One path through a lattice, slot by slot (each pick conditions the next row)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (got {temperature}).")
-        lattice = self.lattice(hidden, unary, anchor_ids, candidates)
         batch, slots, top_k = lattice.candidate_ids.shape
         rows, probs, picks = [], [], []
         row = lattice.first_scores
@@ -489,6 +613,15 @@ class DFlash2CandidateSelector(nn.Module):
             scores=torch.stack(rows, dim=1),
             probs=torch.stack(probs, dim=1) if probs else None,
         )
+
+
+def join_lattices(lattices: list[SelectorLattice]) -> SelectorLattice:
+    """Lattices of several groups of blocks as one, so a single walk covers them all."""
+    return SelectorLattice(
+        torch.cat([lattice.candidate_ids for lattice in lattices]),
+        torch.cat([lattice.first_scores for lattice in lattices]),
+        torch.cat([lattice.transitions for lattice in lattices]),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,7 +655,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
                 init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)
-        elif isinstance(module, Qwen3RMSNorm):
+        elif isinstance(module, DFlashRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, DFlash2GroupedDynamicConv):
             init.copy_(module.base_kernel, module.identity_kernel())
@@ -549,9 +682,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         self.layers = nn.ModuleList(
             [DFlash2DecoderLayer(config, self.dflash, i) for i in range(config.num_hidden_layers)]
         )
-        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = DFlashRMSNorm(hidden, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.dflash.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = DFlashRMSNorm(hidden, eps=config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         self.rotary_emb = DFlashRotaryEmbedding(head_dim, self.dflash.rope_theta)
         self._build_dflash2_modules()
@@ -769,5 +902,6 @@ __all__ = [
     "DFlashPreTrainedModel",
     "block_visibility",
     "grouped_dynamic_causal_conv",
+    "join_lattices",
     "unary_transform",
 ]

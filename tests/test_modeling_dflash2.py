@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel, unary_transform
-from modeling_dflash2.modeling_dflash2 import DFlashRotaryEmbedding, block_visibility
+from modeling_dflash2.modeling_dflash2 import (
+    DFlashRMSNorm,
+    DFlashRotaryEmbedding,
+    _RMSNormFunction,
+    apply_rotary,
+    block_visibility,
+)
 from tests import naive_dflash
 from tests.conftest import draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
 
@@ -189,10 +195,21 @@ def test_cached_decoding_equals_full_context_forward():
 def test_rotary_matches_transformers_qwen3_rotary():
     config = tiny_config(rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
     positions = torch.tensor([[0, 3, 17, 1000, 4095]])
-    ours = DFlashRotaryEmbedding(config.head_dim, config.rope_base)(positions, torch.float32)
-    theirs = Qwen3RotaryEmbedding(config)(torch.zeros(1, 5, config.head_dim), positions)
-    torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=0, atol=0)
+    cos, sin = DFlashRotaryEmbedding(config.head_dim, config.rope_base)(positions, torch.float32)
+    their_cos, their_sin = Qwen3RotaryEmbedding(config)(torch.zeros(1, 5, config.head_dim), positions)
+    torch.testing.assert_close(cos[:, 0], their_cos, rtol=0, atol=0)
+    half = config.head_dim // 2  # rotate-half's sign lives in the first half of our sin
+    torch.testing.assert_close(
+        sin[:, 0], torch.cat([-their_sin[..., :half], their_sin[..., half:]], -1), rtol=0, atol=0
+    )
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 3, config.head_dim, generator=generator)  # the last 3 positions
+    key = torch.randn(1, 2, 5, config.head_dim, generator=generator)
+    ours = apply_rotary(query, key, cos, sin)
+    expected_query, _ = apply_rotary_pos_emb(query, query, their_cos[:, -3:], their_sin[:, -3:])
+    _, expected_key = apply_rotary_pos_emb(key, key, their_cos, their_sin)
+    torch.testing.assert_close(ours[0], expected_query, rtol=0, atol=0)
+    torch.testing.assert_close(ours[1], expected_key, rtol=0, atol=0)
 
 
 def test_compute_logits_multiplies_then_softcaps():
@@ -285,3 +302,34 @@ def test_gradient_checkpointing_gives_identical_gradients():
     _selector_loss(checkpointed, inputs).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_qwen3_forward_bit_for_bit_and_its_gradients(dtype):
+    generator = torch.Generator().manual_seed(3)
+    ours, theirs = DFlashRMSNorm(16, eps=1e-6).to(dtype), Qwen3RMSNorm(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16, generator=generator))
+        ours.weight.copy_(theirs.weight)
+    hidden = torch.randn(2, 3, 4, 16, generator=generator).to(dtype).requires_grad_(True)
+    hidden_copy = hidden.detach().clone().requires_grad_(True)
+    output, expected = ours(hidden), theirs(hidden_copy)
+    assert output.dtype == expected.dtype == dtype
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    grad = torch.randn(expected.shape, generator=generator).to(dtype)
+    output.backward(grad)
+    expected.backward(grad)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(hidden.grad, hidden_copy.grad, **tolerance)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, **tolerance)
+
+
+def test_rms_norm_gradient_is_exact_in_double_and_skips_a_frozen_weight():
+    norm = DFlashRMSNorm(8, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    hidden = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h, w: _RMSNormFunction.apply(h, w, 1e-5), (hidden, norm.weight))
+    norm.weight.requires_grad_(False)
+    norm(hidden).sum().backward()
+    assert norm.weight.grad is None and hidden.grad is not None

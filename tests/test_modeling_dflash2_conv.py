@@ -121,3 +121,32 @@ def test_backward_reaches_kernel_projection_from_identity():
         for conv in (layer.attention_conv, layer.mlp_conv):
             assert conv.kernel_projection.weight.grad.abs().sum() > 0
             assert conv.base_kernel.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(("kernel_size", "block_size"), [(2, 4), (3, 4), (5, 4), (1, 2)])
+def test_conv_hand_written_backward_is_exact(kernel_size, block_size):
+    """gradcheck in double against finite differences, including taps longer than the block."""
+    generator = torch.Generator().manual_seed(kernel_size)
+    length = 3 * block_size
+    x = torch.randn(2, length, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    base = torch.randn(kernel_size, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    dynamic = torch.randn(2, length, kernel_size, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: grouped_dynamic_causal_conv(a, b, c, block_size), (x, base, dynamic)
+    )
+
+
+def test_conv_gradients_match_the_naive_sum_through_strided_kernel_views():
+    """As the module calls it: one side of a shared [b, L, 2, k, G] projection and of the base pair."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 8, 8, generator=generator, requires_grad=True)
+    projection = torch.randn(2, 8, 2, 2, 4, generator=generator, requires_grad=True)
+    base = torch.randn(2, 2, 8, generator=generator, requires_grad=True)
+    out = grouped_dynamic_causal_conv(x, base[1], projection[..., 1, :, :], 4)
+    (out * out).sum().backward()
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, projection, base)]
+    expected = torch.stack([naive_dflash.conv(leaves[0][r], leaves[2][1], leaves[1][r, :, 1], 4) for r in range(2)])
+    (expected * expected).sum().backward()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip((x, projection, base), leaves, strict=True):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-4, atol=1e-4)

@@ -32,28 +32,35 @@ class HeadOutputs:
 class _FusedUnaryCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, position_weights_fn, multiplier, softcap, top_k):
-        rows = torch.arange(labels.numel(), device=labels.device)
         with torch.no_grad():
-            logits = F.linear(hidden, weight.to(hidden.dtype)).float()
-            unary = logits * multiplier if multiplier != 1.0 else logits
+            weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+            logits = F.linear(hidden, weight)
+            unary = logits if logits.dtype == torch.float32 else logits.float()
+            if multiplier != 1.0:
+                unary = unary * multiplier
             squashed = None
             if softcap is not None:
                 squashed = torch.tanh(unary / softcap)
                 unary = squashed * softcap
-            log_normalizer = torch.logsumexp(unary, dim=-1)
-            nll = log_normalizer - unary[rows, labels]
-            weights = position_weights_fn(nll).to(nll.dtype)
+            columns = labels[:, None]
+            gold = unary.gather(1, columns)[:, 0]
             top = torch.topk(unary, top_k, dim=-1, sorted=True) if top_k else None
             argmax = top.indices[:, 0] if top is not None else unary.argmax(dim=-1)
+            # log-sum-exp by hand, reusing exp(u - max) as the softmax numerator of the gradient
+            peak = top.values[:, :1] if top is not None else unary.amax(dim=-1, keepdim=True)
+            exponentials = unary.sub_(peak).exp_()
+            total = exponentials.sum(dim=-1, keepdim=True)
+            log_normalizer = total.log()[:, 0] + peak[:, 0]
+            nll = log_normalizer - gold
+            weights = position_weights_fn(nll).to(nll.dtype)
             # d(sum pw * nll)/du = pw * (softmax(u) - onehot), built in place over the logits buffer
-            gradient = unary.sub_(log_normalizer[:, None]).exp_()
-            gradient[rows, labels] -= 1.0
-            gradient.mul_(weights[:, None])
+            gradient = exponentials.mul_(weights[:, None] / total)
+            gradient.scatter_add_(1, columns, -weights[:, None])
             if squashed is not None:
                 gradient.mul_(1.0 - squashed.square_())
             if multiplier != 1.0:
                 gradient.mul_(multiplier)
-            grad_hidden = (gradient.to(hidden.dtype) @ weight.to(hidden.dtype)).to(hidden.dtype)
+            grad_hidden = gradient.to(hidden.dtype) @ weight
             numerator = (nll * weights).sum()
         ctx.save_for_backward(grad_hidden)
         outputs = (nll, weights, argmax) + ((top.values, top.indices) if top is not None else ())

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from modeling_dflash2 import DFlashDraftModel, unary_transform
+from modeling_dflash2 import DFlashDraftModel, join_lattices, unary_transform
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.loss_head import fused_unary_cross_entropy
+from trainer.loss_head import HeadOutputs, fused_unary_cross_entropy
 from trainer.masks import attention_masks
-from trainer.metrics import MetricTerms, add_terms, selector_terms, unary_terms
+from trainer.metrics import MetricTerms, selector_terms, unary_terms
 
 LOSS_TYPES = ("ce", "dpace")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
@@ -159,97 +159,174 @@ class ObjectiveResult:
         return dict(self.__dict__)
 
 
-class _ChunkObjective:
-    """Losses and metrics of one chunk of blocks [c, B]; slot 0 (the anchor) is never scored, so the
-    LM head runs on slots 1..B-1 only."""
+@dataclass
+class _HeadPass:
+    """The LM-head pass over all active blocks [n, B]: the base numerator (differentiable) and, per
+    proposal slot [n, B-1], the detached NLL, position weights, unary argmax and strict top-K."""
 
-    def __init__(self, draft: DFlashDraftModel, head_weight: torch.Tensor, config: ObjectiveConfig, decay, selector):
-        self.draft, self.head_weight, self.config, self.decay = draft, head_weight, config, decay
-        self.selector = selector  # the DFlash2 candidate selector, or None (DFlash v1 / alpha = 0)
+    numerator: torch.Tensor
+    nll: torch.Tensor
+    position_weights: torch.Tensor
+    argmax: torch.Tensor
+    top: tuple[torch.Tensor, torch.Tensor] | None
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-        chunk, block = labels.shape
-        proposal_hidden, gold, proposal_weights = hidden[:, 1:], labels[:, 1:], weights[:, 1:]
 
-        def position_weights(nll: torch.Tensor) -> torch.Tensor:
-            if self.config.loss_type == "dpace":
-                full = torch.cat([nll.new_zeros(chunk, 1), nll.view(chunk, block - 1)], dim=1)
-                dpace = dpace_weights(full, weights, self.config.dpace_alpha, self.config.dpace_weighting)
-                return (weights * dpace)[:, 1:].reshape(-1)
-            return (proposal_weights * self.decay[1:]).reshape(-1)
+def _head_pass(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    head_weight: torch.Tensor,
+    settings,
+    config: ObjectiveConfig,
+    decay: torch.Tensor,
+    top_k: int,
+) -> _HeadPass:
+    """Fused LM head + unary CE in chunks of `config.chunk_blocks` blocks; slot 0 (the anchor) is
+    never scored, so the head runs on slots 1..B-1 only. Only the chunk's scalar numerator and its
+    small per-slot outputs leave the loop."""
+    blocks, block = labels.shape
+    numerator = hidden.new_zeros((), dtype=torch.float32)
+    pieces: list[HeadOutputs] = []
+    for start in range(0, blocks, config.chunk_blocks):
+        chunk = slice(start, start + config.chunk_blocks)
+        chunk_weights = weights[chunk]
+        rows = chunk_weights.shape[0]
 
-        settings = self.draft.dflash
+        def position_weights(nll: torch.Tensor, chunk_weights=chunk_weights, rows=rows) -> torch.Tensor:
+            if config.loss_type == "dpace":
+                full = torch.cat([nll.new_zeros(rows, 1), nll.view(rows, block - 1)], dim=1)
+                dpace = dpace_weights(full, chunk_weights, config.dpace_alpha, config.dpace_weighting)
+                return (chunk_weights * dpace)[:, 1:].reshape(-1)
+            return (chunk_weights[:, 1:] * decay[1:]).reshape(-1)
+
         head = fused_unary_cross_entropy(
-            proposal_hidden.reshape(-1, proposal_hidden.shape[-1]),
-            self.head_weight,
-            gold.reshape(-1),
+            hidden[chunk, 1:].reshape(-1, hidden.shape[-1]),
+            head_weight,
+            labels[chunk, 1:].reshape(-1),
             position_weights,
             settings.output_multiplier,
             settings.final_logit_softcapping,
-            self.selector.top_k if self.selector is not None else 0,
+            top_k,
         )
-        shape = (chunk, block - 1)
-        nll, predicted = head.nll.view(shape), head.argmax.view(shape)
-        selector_numerator, selector_parts = hidden.new_zeros((), dtype=torch.float32), None
-        if self.selector is not None:
-            top = (head.top[0].view(*shape, -1), head.top[1].view(*shape, -1))
-            selector_numerator, selector_parts = self._selector_loss(
-                proposal_hidden, labels, head.position_weights.view(shape), top
-            )
-        with torch.no_grad():
-            terms = self._metrics(hidden.detach(), labels, weights, nll, predicted, selector_parts)
-        return head.numerator, selector_numerator, terms
+        numerator = numerator + head.numerator
+        pieces.append(head)
 
-    def _candidate_unary(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Transformed logits of the ids [..., K] from K rows of the head, not from the [rows, V] logits."""
-        logits = torch.einsum("...h,...kh->...k", hidden, self.head_weight[ids].to(hidden.dtype))
-        settings = self.draft.dflash
-        return unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
+    def joined(values: list[torch.Tensor]) -> torch.Tensor:
+        return (values[0] if len(values) == 1 else torch.cat(values)).view(blocks, block - 1, *values[0].shape[1:])
 
-    def _selector_loss(self, proposal_hidden, labels, position_weight, top):
-        gold, predecessors = labels[:, 1:], labels[:, :-1]  # slot 1's predecessor is the anchor
-        candidate_ids = top[1]
+    top = None
+    if top_k:
+        top = (joined([piece.top[0] for piece in pieces]), joined([piece.top[1] for piece in pieces]))
+    return _HeadPass(
+        numerator=numerator,
+        nll=joined([piece.nll for piece in pieces]),
+        position_weights=joined([piece.position_weights for piece in pieces]),
+        argmax=joined([piece.argmax for piece in pieces]),
+        top=top,
+    )
+
+
+def selector_chunk_blocks(config: ObjectiveConfig, vocab_size: int, hidden_size: int, top_k: int) -> int:
+    """Blocks per selector chunk: its recomputed [rows, K, H] candidate head rows take no more memory
+    than one LM-head chunk's [rows, V] logits, so the selector never raises the loss head's peak."""
+    return config.chunk_blocks * max(1, vocab_size // max(1, top_k * hidden_size))
+
+
+@dataclass
+class _SelectorPass:
+    """The selector term's numerator (differentiable), and detached: teacher-forced scores
+    [n, B-1, K], the gold's candidate index [n, B-1], whether the gold is a candidate, and the
+    serving walk's tokens [n, B-1] (greedy, from the anchor, as the server proposes them)."""
+
+    numerator: torch.Tensor
+    scores: torch.Tensor
+    gold_index: torch.Tensor
+    covered: torch.Tensor
+    walk_tokens: torch.Tensor
+
+
+class _SelectorTerm:
+    """Teacher-forced selector cross-entropy over the strict unary top-K, in memory-sized chunks
+    under activation checkpointing (the [rows, K, H] and [rows, K, r] gathers are recomputed in
+    backward rather than kept)."""
+
+    def __init__(self, draft: DFlashDraftModel, head_weight: torch.Tensor, config: ObjectiveConfig):
+        self.draft, self.head_weight, self.config = draft, head_weight, config
+        self.selector = draft.candidate_selector
+
+    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: _HeadPass) -> _SelectorPass:
+        candidate_values, candidate_ids = head.top
+        gold = labels[:, 1:]
         covered = (candidate_ids == gold[..., None]).any(dim=-1)
-        if self.config.selector_gold == "insert":  # gold replaces the weakest candidate
-            weakest = torch.zeros_like(candidate_ids, dtype=torch.bool)
-            weakest[..., -1] = True
-            candidate_ids = torch.where(weakest & ~covered[..., None], gold[..., None], candidate_ids)
-            selector_weight = position_weight
+        if self.config.selector_gold == "insert":  # gold replaces the weakest candidate (training only)
+            weakest = torch.arange(candidate_ids.shape[-1], device=gold.device) == candidate_ids.shape[-1] - 1
+            replace = ~covered[..., None] & weakest
+            candidate_ids = torch.where(replace, gold[..., None], candidate_ids)
+            selector_weight = head.position_weights
         else:
-            selector_weight = position_weight * covered
-        gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1, keepdim=True)
-
-        def numerator(hidden):
-            if self.config.selector_stop_gradient:
-                hidden = hidden.detach()
-            candidate_unary = self._candidate_unary(hidden, candidate_ids)
-            scores = self.selector.score_candidates(hidden, candidate_ids, candidate_unary, predecessors).scores
-            cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index)[..., 0]
-            return (cross_entropy * selector_weight).sum(), scores.detach()
-
-        if torch.is_grad_enabled():  # [rows, K, r] gathers are recomputed rather than kept for backward
-            total, scores = checkpoint(numerator, proposal_hidden, use_reentrant=False)
-        else:
-            total, scores = numerator(proposal_hidden)
-        return total, (scores, gold_index[..., 0], covered, top)
-
-    def _metrics(self, hidden, labels, weights, nll, predicted, selector_parts) -> MetricTerms:
-        full_prediction = torch.cat([labels[:, :1], predicted], dim=1)  # slot 0 is never scored
-        terms = unary_terms(full_prediction, labels, weights)
-        terms["loss_base_unweighted"] = ((nll * weights[:, 1:]).sum(), weights.sum())
-        if selector_parts is not None:
-            scores, gold_index, covered, top = selector_parts
-            walk = self.selector.walk(hidden[:, 1:], None, labels[:, 0], candidates=top)
-            terms.update(
-                selector_terms(
-                    covered=covered,
-                    selector_correct=scores.argmax(dim=-1) == gold_index,
-                    unary_correct=predicted == labels[:, 1:],
-                    walk_correct=walk.tokens == labels[:, 1:],
-                    weights=weights[:, 1:],
+            selector_weight = head.position_weights * covered
+        gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1)
+        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], hidden.shape[-1], self.selector.top_k)
+        numerator = hidden.new_zeros((), dtype=torch.float32)
+        scores, lattices = [], []
+        for start in range(0, labels.shape[0], step):
+            chunk = slice(start, start + step)
+            arguments = (hidden[chunk, 1:], candidate_ids[chunk], labels[chunk], gold_index[chunk])
+            arguments += (selector_weight[chunk],)
+            if torch.is_grad_enabled():
+                total, chunk_scores = checkpoint(self._numerator, *arguments, use_reentrant=False)
+            else:
+                total, chunk_scores = self._numerator(*arguments)
+            numerator = numerator + total
+            scores.append(chunk_scores)
+            with torch.no_grad():
+                lattices.append(
+                    self.selector.lattice(
+                        hidden[chunk, 1:].detach(),
+                        None,
+                        labels[chunk, 0],
+                        candidates=(candidate_values[chunk], head.top[1][chunk]),
+                    )
                 )
+        with torch.no_grad():
+            walk = self.selector.walk_lattice(join_lattices(lattices) if len(lattices) > 1 else lattices[0])
+        return _SelectorPass(
+            numerator=numerator,
+            scores=torch.cat(scores) if len(scores) > 1 else scores[0],
+            gold_index=gold_index,
+            covered=covered,
+            walk_tokens=walk.tokens,
+        )
+
+    def _numerator(self, hidden, candidate_ids, labels, gold_index, selector_weight):
+        if self.config.selector_stop_gradient:
+            hidden = hidden.detach()
+        # candidates' transformed unary logits from K rows of the head, not from [rows, V] logits
+        logits = torch.einsum("...h,...kh->...k", hidden, self.head_weight[candidate_ids].to(hidden.dtype))
+        settings = self.draft.dflash
+        candidate_unary = unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
+        predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor
+        scores = self.selector.score_candidates(hidden, candidate_ids, candidate_unary, predecessors).scores
+        cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[..., None])[..., 0]
+        return (cross_entropy * selector_weight).sum(), scores.detach()
+
+
+def _metrics(labels: torch.Tensor, weights: torch.Tensor, head: _HeadPass, selector: _SelectorPass | None):
+    """All metric terms of the step at once (no per-chunk work), from detached per-slot outputs."""
+    full_prediction = torch.cat([labels[:, :1], head.argmax], dim=1)  # slot 0 is never scored
+    terms = unary_terms(full_prediction, labels, weights)
+    terms["loss_base_unweighted"] = ((head.nll * weights[:, 1:]).sum(), weights.sum())
+    if selector is not None:
+        terms.update(
+            selector_terms(
+                covered=selector.covered,
+                selector_correct=selector.scores.argmax(dim=-1) == selector.gold_index,
+                unary_correct=head.argmax == labels[:, 1:],
+                walk_correct=selector.walk_tokens == labels[:, 1:],
+                weights=weights[:, 1:],
             )
-        return terms
+        )
+    return terms
 
 
 def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig) -> torch.Tensor:
@@ -312,16 +389,13 @@ def dflash_loss(
     flat_hidden, labels, weights = flat_hidden[index], labels[index], weights[index]
 
     decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
-    numerator = hidden.new_zeros((), dtype=torch.float32)
-    selector_numerator = hidden.new_zeros((), dtype=torch.float32)
-    terms: MetricTerms = {}
-    chunk_objective = _ChunkObjective(draft, weight, config, decay, draft.candidate_selector if with_selector else None)
-    for start in range(0, index.numel(), config.chunk_blocks):
-        chunk = slice(start, start + config.chunk_blocks)
-        base, selector, chunk_terms = chunk_objective(flat_hidden[chunk], labels[chunk], weights[chunk])
-        numerator = numerator + base
-        selector_numerator = selector_numerator + selector
-        add_terms(terms, chunk_terms)
+    top_k = draft.candidate_selector.top_k if with_selector else 0
+    head = _head_pass(flat_hidden, labels, weights, weight, draft.dflash, config, decay, top_k)
+    numerator = head.numerator
+    selector = _SelectorTerm(draft, weight, config)(flat_hidden, labels, head) if with_selector else None
+    selector_numerator = selector.numerator if selector is not None else hidden.new_zeros((), dtype=torch.float32)
+    with torch.no_grad():
+        terms = _metrics(labels, weights, head, selector)
     denominator = loss_denominator(blocks.weights, config)
 
     total = numerator + alpha_eff * selector_numerator
