@@ -24,7 +24,7 @@ from trainer.data import DFlashCollator, build_datasets
 from trainer.distributed import close_process_group
 from trainer.fileio import require_existing_path, write_file_atomically
 from trainer.preemption import TrainingInterrupted
-from trainer.target import FrozenTarget
+from trainer.target import FrozenTarget, check_target_sharding
 from trainer.trainer import DFlash2Trainer
 from trainer.warm_start import warm_start
 
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.logging.set_verbosity_warning()
     transformers.set_seed(training_args.seed)
+    check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
 
     target = FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         target=target,
         target_hub_id=model_args.target_hub_id,
         recipe={"model_arguments": asdict(model_args), "data_arguments": asdict(data_args)},
+        target_sharding=model_args.target_sharding,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DFlashCollator(pad_id),

@@ -174,3 +174,27 @@ def test_close_process_group_warns_when_a_wrapper_is_still_referenced(single_ran
         close_process_group(trainer)  # `wrapper` is still held by this test
     assert LEAKED_WRAPPER_WARNING in caplog.text
     assert not torch.distributed.is_initialized()
+
+
+def test_fsdp_target_sharding_halves_the_decoder_layers_per_rank_and_trains_identically(tmp_path):
+    torchrun(str(REPO / "tests" / "distributed" / "target_sharding_cpu.py"), str(tmp_path), cwd=tmp_path)
+    results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        whole, sharded = result["none"], result["fsdp"]
+        assert not whole["sharded"] and sharded["sharded"]
+        assert whole["local_bytes"] == whole["whole_bytes"] == sharded["whole_bytes"] > 0
+        # each rank holds its half of every decoder layer, also after the forwards (resharded after each)
+        assert abs(sharded["local_bytes"] / sharded["whole_bytes"] - 0.5) < 0.03
+        assert sharded["captures"] == whole["captures"] > 0  # online capture ran through the sharded target
+        losses = {mode: logged_losses(result[mode]["log_history"]) for mode in result}
+        assert [key for key, _ in losses["fsdp"]] == ["eval_loss", "loss", "loss", "loss", "train_loss", "eval_loss"]
+        assert [key for key, _ in losses["none"]] == [key for key, _ in losses["fsdp"]]
+        assert [value for _, value in losses["fsdp"]] == pytest.approx([value for _, value in losses["none"]], rel=1e-6)
+    assert results[0]["fsdp"]["captures"] == results[1]["fsdp"]["captures"]
+    assert (tmp_path / "output-fsdp" / "model.safetensors").is_file()
+
+
+def logged_losses(log_history: list[dict]) -> list[tuple[str, float]]:
+    """Every logged loss of a run, in order: training steps, evaluations, the run's mean."""
+    keys = ("loss", "eval_loss", "train_loss")
+    return [(key, log[key]) for log in log_history for key in keys if key in log]

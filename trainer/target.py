@@ -3,12 +3,19 @@
 The draft borrows the target's input embedding and LM head, and attends to the target's hidden
 states `hidden_states[id + 1]` (the output of decoder layer `id`; index 0 is the embedding
 output) for each id of `target_layer_ids`, concatenated on the feature axis in list order.
+
+Capture runs the target only as deep as the deepest id (`FrozenTarget.capture`). With
+`target_sharding: fsdp` the decoder layers are sharded across ranks with FSDP2
+(`FrozenTarget.place`); the embedding, final norm and LM head stay whole on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,34 @@ from trainer.fileio import (
 logger = logging.getLogger(__name__)
 
 PYPI_PREFIX = "pypi:"
+TARGET_SHARDINGS = ("none", "fsdp")
+
+
+class _DeepestLayerDone(Exception):
+    """Raised by the hook on the deepest needed decoder layer: nothing after it has to run."""
+
+
+def distributed_world_size() -> int:
+    """Ranks in the default process group; 1 without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def check_target_sharding(target_sharding: str, spec_eval_prompts: int = 0) -> None:
+    """Refuse a sharding mode that is unknown, or combined with a path that runs the target unevenly.
+
+    A sharded target all-gathers each layer inside its forward, so every rank must run it the same
+    number of times. Real speculative decoding (`spec_eval_prompts`) runs it once per generated
+    block until a stop token, which may differ between ranks: that would hang, so it is refused.
+    """
+    if target_sharding not in TARGET_SHARDINGS:
+        raise ValueError(f"target_sharding: {target_sharding!r} is not one of {', '.join(map(repr, TARGET_SHARDINGS))}")
+    if target_sharding == "fsdp" and spec_eval_prompts > 0:
+        raise ValueError(
+            f"spec_eval_prompts={spec_eval_prompts} needs target_sharding: none (real speculative decoding runs "
+            "the target a different number of times on each rank; a sharded target would hang)"
+        )
 
 
 def find_packaged_gguf(distribution: str) -> Path:
@@ -192,17 +227,130 @@ class FrozenTarget:
         theta = parameters.get("rope_theta") if isinstance(parameters, dict) else None
         return theta if theta is not None else getattr(self.text_config, "rope_theta", None)
 
+    @property
+    def backbone(self) -> nn.Module:
+        """The decoder stack without the LM head (`LlamaModel` inside `LlamaForCausalLM`)."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList | None:
+        """The backbone's `layers` ModuleList (Llama, Qwen, Mistral, Gemma...), or None if it has none."""
+        layers = getattr(self.backbone, "layers", None)
+        return layers if isinstance(layers, nn.ModuleList) else None
+
     @torch.no_grad()
     def capture(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids: list[int] | tuple[int, ...]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        full_depth: bool = False,
     ) -> torch.Tensor:
-        """[b, S, n*H]: `hidden_states[id + 1]` for each id, concatenated in list order."""
-        backbone = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
-        output = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-        )
-        hidden_states = output.hidden_states
-        return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+        """[b, S, n*H]: `hidden_states[id + 1]` for each id, concatenated in list order.
+
+        The forward stops right after decoder layer max(layer_ids): later layers, the final norm
+        and the LM head never run. A forward hook on each needed layer keeps its output, and the
+        hook on the deepest one raises a private exception that ends the call, so no architecture's
+        forward is re-implemented and the model is never modified (the hooks are removed in
+        `finally`). The stored outputs are the very tensors `output_hidden_states=True` returns,
+        so the result is bit-identical to the full run. The last layer (id = num_layers - 1) is the
+        exception: transformers' `hidden_states[-1]` is the *final-normed* output, so that case
+        keeps the full run (nothing is left to skip but the norm). `full_depth=True` always runs
+        the whole backbone with `output_hidden_states=True` (the reference, and the benchmark's
+        baseline).
+        """
+        layer_ids = [int(layer_id) for layer_id in layer_ids]
+        bad = [layer_id for layer_id in layer_ids if not 0 <= layer_id < self.num_layers]
+        if not layer_ids or bad:
+            raise ValueError(
+                f"target_layer_ids {layer_ids}: need at least one id, each in 0..{self.num_layers - 1} "
+                f"(the target has {self.num_layers} layers)"
+            )
+        layers = self.decoder_layers
+        deepest = max(layer_ids)
+        if full_depth or deepest == self.num_layers - 1 or layers is None:
+            if layers is None and not full_depth:
+                _warn_whole_target_runs(type(self.backbone).__name__)
+            output = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            )
+            hidden_states = output.hidden_states
+            return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+        with _record_layer_outputs(layers, set(layer_ids), deepest) as outputs, suppress(_DeepestLayerDone):
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if deepest not in outputs:
+            raise RuntimeError(
+                f"{type(self.backbone).__name__}'s forward never ran decoder layer {deepest} (layers[{deepest}])."
+            )
+        return torch.cat([outputs[layer_id] for layer_id in layer_ids], dim=-1)
+
+    # -- sharding across ranks ------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the decoder layers are FSDP2-sharded (`place(..., "fsdp")` on several ranks)."""
+        layers = self.decoder_layers
+        if layers is None or not torch.distributed.is_available():
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(layer, FSDPModule) for layer in layers)
+
+    def place(self, device: str | torch.device, target_sharding: str = "none") -> None:
+        """Move the target to `device`; with `target_sharding="fsdp"` on several ranks, its decoder
+        layers are sharded on the way.
+
+        fsdp: each decoder layer becomes its own FSDP2 unit over all ranks of the default process
+        group (`fully_shard(layer, reshard_after_forward=True)`), so a rank holds about 1/world of
+        the decoder-layer weights and all-gathers one layer at a time inside the forward, freeing
+        it right after. The input embedding, final norm and LM head stay whole on every rank: the
+        objective uses `embedding_weight` and `lm_head` directly as weight tensors in every chunk,
+        and they are a small part of an 8B-27B target. The parts outside the layers are moved
+        first, then each layer is moved and sharded one at a time, so no rank ever holds the whole
+        target on the device. Every rank must then run the target the same number of times
+        (`check_target_sharding`). On a single process there is nothing to shard across: the
+        target stays whole, with a warning (the results are the same, only the memory is not).
+        """
+        check_target_sharding(target_sharding)
+        device = torch.device(device)
+        world = distributed_world_size()
+        if self.sharded:  # placed before (a second trainer on the same target): move what is whole
+            if target_sharding != "fsdp":
+                raise ValueError(f"target_sharding: {target_sharding!r}, but this target is already sharded (fsdp)")
+            with _layers_detached(self.backbone):
+                self.model.to(device)
+            return
+        if target_sharding == "fsdp" and world == 1:
+            logger.warning("target_sharding: fsdp on a single process: the target stays whole on %s.", device)
+        if target_sharding == "none" or world == 1:
+            self.model.to(device)
+            return
+        layers = self.decoder_layers
+        if layers is None:
+            raise ValueError(
+                f"target_sharding: fsdp needs a decoder with a `layers` ModuleList; "
+                f"{type(self.backbone).__name__} has none"
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        with _layers_detached(self.backbone):
+            self.model.to(device)
+        mesh = init_device_mesh(device.type, (world,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+
+    def decoder_layer_bytes(self) -> tuple[int, int]:
+        """(held by this rank, whole) bytes of the decoder layers' parameters (local shards if sharded)."""
+        from torch.distributed.tensor import DTensor
+
+        local = whole = 0
+        for parameter in (self.decoder_layers or nn.ModuleList()).parameters():
+            size = parameter.element_size()
+            whole += parameter.numel() * size
+            held = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+            local += held.numel() * size
+        return local, whole
 
     def check_draft(self, settings: DFlashSettings, draft_config: Any) -> None:
         """Refuse a draft that cannot run on this target, naming the field; warn on a RoPE mismatch."""
@@ -238,3 +386,41 @@ class FrozenTarget:
                 settings.rope_theta,
                 theta,
             )
+
+
+@functools.cache
+def _warn_whole_target_runs(backbone_name: str) -> None:
+    """Once per architecture, not once per batch."""
+    logger.warning("%s has no `layers` ModuleList: capture runs the whole target.", backbone_name)
+
+
+@contextmanager
+def _record_layer_outputs(layers: nn.ModuleList, needed: set[int], deepest: int) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks keeping the output of each needed layer; the deepest one ends the forward."""
+    outputs: dict[int, torch.Tensor] = {}
+
+    def hook_for(index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            outputs[index] = output[0] if isinstance(output, tuple) else output
+            if index == deepest:
+                raise _DeepestLayerDone
+
+        return hook
+
+    handles = [layers[index].register_forward_hook(hook_for(index)) for index in sorted(needed)]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _layers_detached(backbone: nn.Module) -> Iterator[None]:
+    """The backbone without its decoder layers for the duration (restored in `finally`)."""
+    layers = backbone.layers
+    backbone.layers = nn.ModuleList()
+    try:
+        yield
+    finally:
+        backbone.layers = layers

@@ -51,7 +51,7 @@ from trainer.objective import (
     selector_alpha_at,
 )
 from trainer.preemption import PreemptionCallback
-from trainer.target import FrozenTarget
+from trainer.target import FrozenTarget, check_target_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class DFlash2Trainer(Trainer):
         target: FrozenTarget,
         target_hub_id: str | None = None,
         recipe: dict[str, Any] | None = None,
+        target_sharding: str = "none",
         **kwargs: Any,
     ):
         if not isinstance(args, DFlashTrainingArguments):
@@ -81,7 +82,15 @@ class DFlash2Trainer(Trainer):
         self.target = target
         self.target_hub_id = target_hub_id
         self.recipe = recipe or {}
-        self.target.model.to(self.args.device)
+        # Sharded here, after the datasets were built with the whole target (rank 0 alone may run it
+        # there, under main_process_first), so every later forward runs on every rank alike.
+        check_target_sharding(target_sharding, self.args.spec_eval_prompts)
+        if target_sharding == "fsdp" and not self.accelerator.even_batches:
+            raise ValueError(
+                "target_sharding: fsdp needs accelerator_config.even_batches: true (every rank must run the "
+                "sharded target the same number of times)"
+            )
+        self.target.place(self.args.device, target_sharding)
         self._staging_parent: Path | None = None
         self.last_checkpoint: Path | None = None
         self.preemption = PreemptionCallback(self.args.process_index)
