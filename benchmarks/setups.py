@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
+from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +140,8 @@ def make_draft(setup: StepSetup, device: str = "cpu", seed: int = 0, attn_implem
     torch.manual_seed(seed)
     config = setup.config
     config._attn_implementation = attn_implementation
-    draft = DFlash2DraftModel(config).to(device)
-    with torch.no_grad():  # trained-like selector: a non-zero successor codebook
-        draft.candidate_selector.successor_codebook.normal_(0.0, 0.02)
+    draft = (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config).to(device)
+    if config.is_dflash2:
+        with torch.no_grad():  # trained-like selector: a non-zero successor codebook
+            draft.candidate_selector.successor_codebook.normal_(0.0, 0.02)
     return draft

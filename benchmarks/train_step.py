@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from benchmarks.flops import step_flops
 from benchmarks.naive import naive_step
@@ -36,8 +37,11 @@ def timed(function: Callable[[], object], device: str, warmup: int = 1, repeats:
     return statistics.median(times), result
 
 
-def optimized_step(draft, batch: SyntheticBatch, config: ObjectiveConfig) -> torch.Tensor:
-    """The trainer's step: forward, objective, backward; returns the loss."""
+def optimized_step(
+    draft, batch: SyntheticBatch, config: ObjectiveConfig, backward_label: str | None = None
+) -> torch.Tensor:
+    """The trainer's step: forward, objective, backward; returns the loss. `backward_label` names
+    the backward pass for a profiler."""
     draft.zero_grad(set_to_none=True)
     result = draft_objective(
         draft,
@@ -50,7 +54,8 @@ def optimized_step(draft, batch: SyntheticBatch, config: ObjectiveConfig) -> tor
         draw=None,
         anchors=batch.anchors,
     )
-    result.loss.backward()
+    with record_function(backward_label) if backward_label else contextlib.nullcontext():
+        result.loss.backward()
     return result.loss.detach()
 
 

@@ -151,9 +151,8 @@ class DFlashRotaryEmbedding(nn.Module):
         inv_freq = self.inverse_frequencies(position_ids.device)
         with torch.autocast(device_type=position_ids.device.type, enabled=False):
             freqs = position_ids.float()[:, None, :, None] * inv_freq
-            cos = freqs.cos().repeat(1, 1, 1, 2)
-            sin = freqs.sin()
-            return cos.to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+            angles = torch.cat((-freqs, freqs), dim=-1)  # cos is even, sin odd: the sign lands on sin
+            return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
@@ -296,6 +295,8 @@ class DFlashAttention(nn.Module):
                 f"attn_implementation='{implementation}' cannot express DFlash block masks; "
                 "use 'sdpa', 'eager' or 'flex_attention'."
             )
+        if implementation == "sdpa" and device.type == "cpu":
+            return grouped_sdpa_forward
         return ALL_ATTENTION_FUNCTIONS[implementation]
 
     def _mask_for_backend(self, mask: MaskLike, dtype: torch.dtype) -> MaskLike:
@@ -304,6 +305,27 @@ class DFlashAttention(nn.Module):
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and implementation != "sdpa":
             return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         return mask
+
+
+def grouped_sdpa_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """sdpa on CPU with the grouped key/value heads passed as they are (`enable_gqa`).
+
+    transformers' sdpa path repeats them whenever a mask is given, because CUDA's masked kernels
+    need that; CPU's kernel takes them directly: the same values, without the copies.
+    """
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2), None
 
 
 def grouped_dynamic_causal_conv(
@@ -588,9 +610,11 @@ class DFlash2CandidateSelector(nn.Module):
     def walk_lattice(
         lattice: SelectorLattice, temperature: float = 0.0, generator: torch.Generator | None = None
     ) -> SelectorWalk:
-        """One path through a lattice, slot by slot (each pick conditions the next row)."""
+        """One path through a lattice: each slot's pick conditions the next slot's score row."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (got {temperature}).")
+        if temperature == 0:
+            return DFlash2CandidateSelector._greedy_walk(lattice)
         batch, slots, top_k = lattice.candidate_ids.shape
         rows, probs, picks = [], [], []
         row = lattice.first_scores
@@ -599,19 +623,34 @@ class DFlash2CandidateSelector(nn.Module):
                 previous = picks[-1][:, None, None].expand(batch, 1, top_k)
                 row = lattice.transitions[:, slot - 1].gather(1, previous)[:, 0]
             rows.append(row)
-            if temperature > 0:
-                q = torch.softmax(row / temperature, dim=-1)
-                probs.append(q)
-                picks.append(torch.multinomial(q, 1, generator=generator)[:, 0])
-            else:
-                picks.append(torch.argmax(row, dim=-1))
+            q = torch.softmax(row / temperature, dim=-1)
+            probs.append(q)
+            picks.append(torch.multinomial(q, 1, generator=generator)[:, 0])
         choice = torch.stack(picks, dim=1)
-        tokens = lattice.candidate_ids.gather(-1, choice[..., None])[..., 0]
         return SelectorWalk(
-            tokens=tokens,
+            tokens=lattice.candidate_ids.gather(-1, choice[..., None])[..., 0],
             candidate_ids=lattice.candidate_ids,
             scores=torch.stack(rows, dim=1),
-            probs=torch.stack(probs, dim=1) if probs else None,
+            probs=torch.stack(probs, dim=1),
+        )
+
+    @staticmethod
+    def _greedy_walk(lattice: SelectorLattice) -> SelectorWalk:
+        """Greedy: every candidate's best successor is known up front (one argmax over the whole
+        lattice; ties to the higher unary candidate, the lower index), so the walk only follows
+        pointers slot by slot, and the score rows it used are gathered once at the end."""
+        batch, slots, top_k = lattice.candidate_ids.shape
+        successor = lattice.transitions.argmax(dim=-1)  # [b, T-1, K]
+        picks = [lattice.first_scores.argmax(dim=-1, keepdim=True)]
+        for slot in range(1, slots):
+            picks.append(successor[:, slot - 1].gather(1, picks[-1]))
+        choice = torch.cat(picks, dim=1)  # [b, T]
+        used_rows = lattice.transitions.gather(2, choice[:, :-1, None, None].expand(batch, slots - 1, 1, top_k))
+        return SelectorWalk(
+            tokens=lattice.candidate_ids.gather(-1, choice[..., None])[..., 0],
+            candidate_ids=lattice.candidate_ids,
+            scores=torch.cat([lattice.first_scores[:, None], used_rows[:, :, 0]], dim=1),
+            probs=None,
         )
 
 

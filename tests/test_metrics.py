@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.metrics import acceptance_terms, add_terms, finalize_terms, leading_run, selector_terms, unary_terms
+from trainer.metrics import (
+    acceptance_terms,
+    add_terms,
+    finalize_terms,
+    flatten_terms,
+    leading_run,
+    ratios,
+    selector_terms,
+    unary_terms,
+)
 
 
 def test_acceptance_worked_example_is_3_25():
@@ -63,3 +72,15 @@ def test_terms_pool_exactly():
     b = {"x": (torch.tensor(3.0), torch.tensor(4.0)), "y": (torch.tensor(1.0), torch.tensor(0.0))}
     total = add_terms(add_terms({}, a), b)
     assert finalize_terms(total) == {"x": 0.5}
+
+
+def test_per_slot_terms_flatten_to_one_name_per_slot_and_pool_as_one_tensor():
+    terms = {
+        "accuracy_position": (torch.tensor([1.0, 0.0, 2.0]), torch.tensor([2.0, 0.0, 4.0])),
+        "tau_walk": (torch.tensor(6.0), torch.tensor(4.0)),
+    }
+    names, pairs = flatten_terms(terms)
+    assert names == ["accuracy_position_1", "accuracy_position_2", "accuracy_position_3", "tau_walk"]
+    assert pairs.tolist() == [[1.0, 0.0, 2.0, 6.0], [2.0, 0.0, 4.0, 4.0]]
+    # a slot with nothing counted is left out, not reported as 0 or NaN
+    assert ratios(names, pairs + pairs) == {"accuracy_position_1": 0.5, "accuracy_position_3": 0.5, "tau_walk": 1.5}

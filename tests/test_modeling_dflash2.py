@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel, unary_transform
@@ -14,6 +15,7 @@ from modeling_dflash2.modeling_dflash2 import (
     _RMSNormFunction,
     apply_rotary,
     block_visibility,
+    grouped_sdpa_forward,
 )
 from tests import naive_dflash
 from tests.conftest import draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
@@ -333,3 +335,22 @@ def test_rms_norm_gradient_is_exact_in_double_and_skips_a_frozen_weight():
     norm.weight.requires_grad_(False)
     norm(hidden).sum().backward()
     assert norm.weight.grad is None and hidden.grad is not None
+
+
+def test_grouped_sdpa_on_cpu_equals_transformers_sdpa_with_repeated_heads():
+    generator = torch.Generator().manual_seed(8)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, False
+    query = torch.randn(2, 6, 5, 8, generator=generator, requires_grad=True)
+    key = torch.randn(2, 2, 9, 8, generator=generator, requires_grad=True)
+    value = torch.randn(2, 2, 9, 8, generator=generator, requires_grad=True)
+    mask = torch.rand(2, 1, 5, 9, generator=generator) > 0.4
+    mask[..., 0] = True  # every query sees something
+    ours, _ = grouped_sdpa_forward(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, scaling=0.3, is_causal=False)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    grad = torch.randn(ours.shape, generator=generator)
+    ours_grads = torch.autograd.grad(ours, (query, key, value), grad)
+    theirs_grads = torch.autograd.grad(theirs, (query, key, value), grad)
+    for a, b in zip(ours_grads, theirs_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

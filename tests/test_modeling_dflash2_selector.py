@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from modeling_dflash2 import DFlash2CandidateSelector
+from modeling_dflash2.modeling_dflash2 import SelectorLattice
 from tests.conftest import tiny_draft
 
 
@@ -164,3 +165,25 @@ def test_selector_cross_entropy_reaches_all_three_factors():
     for parameter in (selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight):
         assert parameter.grad.abs().sum() > 0
     assert hidden.grad.abs().sum() > 0
+
+
+def test_greedy_walk_equals_a_slot_by_slot_argmax_over_its_own_rows():
+    """The pointer-following greedy walk against the obvious loop, on integer scores full of ties."""
+    generator = torch.Generator().manual_seed(11)
+    batch, slots, top_k = 5, 6, 4
+    lattice = SelectorLattice(
+        candidate_ids=torch.randint(0, 100, (batch, slots, top_k), generator=generator),
+        first_scores=torch.randint(0, 3, (batch, top_k), generator=generator).float(),
+        transitions=torch.randint(0, 3, (batch, slots - 1, top_k, top_k), generator=generator).float(),
+    )
+    walk = DFlash2CandidateSelector.walk_lattice(lattice)
+    row, rows, tokens, pick = lattice.first_scores, [], [], None
+    for slot in range(slots):
+        if pick is not None:
+            row = lattice.transitions[torch.arange(batch), slot - 1, pick]
+        pick = torch.tensor([int(torch.nonzero(r == r.max())[0]) for r in row])  # first maximum
+        rows.append(row)
+        tokens.append(lattice.candidate_ids[torch.arange(batch), slot, pick])
+    assert torch.equal(walk.tokens, torch.stack(tokens, dim=1))
+    assert torch.equal(walk.scores, torch.stack(rows, dim=1))
+    assert walk.probs is None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, join_lattices, unary_transform
@@ -36,6 +37,7 @@ from trainer.metrics import MetricTerms, selector_terms, unary_terms
 LOSS_TYPES = ("ce", "dpace")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
 SELECTOR_GOLD_MODES = ("skip", "insert")
+OBJECTIVE_LABEL = "dflash2::objective"  # profiler label: LM head, losses and metrics inside the draft forward
 
 
 def default_gamma(block_size: int) -> float | None:
@@ -172,7 +174,7 @@ class _HeadPass:
 
 
 def _head_pass(
-    hidden: torch.Tensor,
+    proposal_hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     head_weight: torch.Tensor,
@@ -181,11 +183,11 @@ def _head_pass(
     decay: torch.Tensor,
     top_k: int,
 ) -> _HeadPass:
-    """Fused LM head + unary CE in chunks of `config.chunk_blocks` blocks; slot 0 (the anchor) is
-    never scored, so the head runs on slots 1..B-1 only. Only the chunk's scalar numerator and its
-    small per-slot outputs leave the loop."""
+    """Fused LM head + unary CE in chunks of `config.chunk_blocks` blocks over the proposal slots
+    1..B-1 (`proposal_hidden` [n, B-1, H]; slot 0, the anchor, is never scored). Only the chunk's
+    scalar numerator and its small per-slot outputs leave the loop."""
     blocks, block = labels.shape
-    numerator = hidden.new_zeros((), dtype=torch.float32)
+    numerator = proposal_hidden.new_zeros((), dtype=torch.float32)
     pieces: list[HeadOutputs] = []
     for start in range(0, blocks, config.chunk_blocks):
         chunk = slice(start, start + config.chunk_blocks)
@@ -200,7 +202,7 @@ def _head_pass(
             return (chunk_weights[:, 1:] * decay[1:]).reshape(-1)
 
         head = fused_unary_cross_entropy(
-            hidden[chunk, 1:].reshape(-1, hidden.shape[-1]),
+            proposal_hidden[chunk].flatten(0, 1),
             head_weight,
             labels[chunk, 1:].reshape(-1),
             position_weights,
@@ -246,15 +248,18 @@ class _SelectorPass:
 
 
 class _SelectorTerm:
-    """Teacher-forced selector cross-entropy over the strict unary top-K, in memory-sized chunks
-    under activation checkpointing (the [rows, K, H] and [rows, K, r] gathers are recomputed in
-    backward rather than kept)."""
+    """Teacher-forced selector cross-entropy over the strict unary top-K, in memory-sized chunks.
+
+    With several chunks each runs under activation checkpointing: its [rows, K, H] and [rows, K, r]
+    gathers are recomputed in backward rather than kept, so they never add up across chunks. A
+    single chunk keeps them: the selector's backward runs first and frees them before anything else
+    is allocated, so recomputing would cost a second forward and save no memory."""
 
     def __init__(self, draft: DFlashDraftModel, head_weight: torch.Tensor, config: ObjectiveConfig):
         self.draft, self.head_weight, self.config = draft, head_weight, config
         self.selector = draft.candidate_selector
 
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, head: _HeadPass) -> _SelectorPass:
+    def __call__(self, proposal_hidden: torch.Tensor, labels: torch.Tensor, head: _HeadPass) -> _SelectorPass:
         candidate_values, candidate_ids = head.top
         gold = labels[:, 1:]
         covered = (candidate_ids == gold[..., None]).any(dim=-1)
@@ -266,14 +271,15 @@ class _SelectorTerm:
         else:
             selector_weight = head.position_weights * covered
         gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1)
-        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], hidden.shape[-1], self.selector.top_k)
-        numerator = hidden.new_zeros((), dtype=torch.float32)
+        hidden_size = proposal_hidden.shape[-1]
+        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], hidden_size, self.selector.top_k)
+        numerator = proposal_hidden.new_zeros((), dtype=torch.float32)
         scores, lattices = [], []
         for start in range(0, labels.shape[0], step):
             chunk = slice(start, start + step)
-            arguments = (hidden[chunk, 1:], candidate_ids[chunk], labels[chunk], gold_index[chunk])
+            arguments = (proposal_hidden[chunk], candidate_ids[chunk], labels[chunk], gold_index[chunk])
             arguments += (selector_weight[chunk],)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and step < labels.shape[0]:
                 total, chunk_scores = checkpoint(self._numerator, *arguments, use_reentrant=False)
             else:
                 total, chunk_scores = self._numerator(*arguments)
@@ -282,7 +288,7 @@ class _SelectorTerm:
             with torch.no_grad():
                 lattices.append(
                     self.selector.lattice(
-                        hidden[chunk, 1:].detach(),
+                        proposal_hidden[chunk].detach(),
                         None,
                         labels[chunk, 0],
                         candidates=(candidate_values[chunk], head.top[1][chunk]),
@@ -329,14 +335,15 @@ def _metrics(labels: torch.Tensor, weights: torch.Tensor, head: _HeadPass, selec
     return terms
 
 
-def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig) -> torch.Tensor:
+def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig, decay: torch.Tensor | None = None) -> torch.Tensor:
     """The loss normaliser, a function of the block weights [..., B] alone, so a trainer can pool it
     over micro-batches and ranks before any forward pass: sum w * decay for CE, and the number of
     supervised slots sum w for D-PACE (whose own weights depend on the model)."""
     if config.loss_type == "dpace":
         return weights.sum().float()
-    block_size = weights.shape[-1]
-    decay = decay_weights(block_size, config.resolved_gamma(block_size), weights.device)
+    if decay is None:
+        block_size = weights.shape[-1]
+        decay = decay_weights(block_size, config.resolved_gamma(block_size), weights.device)
     return (weights * decay).sum().float()
 
 
@@ -379,24 +386,25 @@ def dflash_loss(
     with_selector = bool(draft.dflash.is_dflash2 and config.selector_enabled)
     labels = blocks.labels.reshape(-1, block_size)
     weights = blocks.weights.reshape(-1, block_size)
-    flat_hidden = hidden.reshape(-1, block_size, hidden.shape[-1])
     # Blocks with nothing to score (dummy slots, fully unsupervised) cost no LM-head work; if no
     # block is active one zero-weight block still runs so the graph (and every parameter) is kept.
     active = weights.sum(dim=-1) > 0
     if not active.any():
         active[0] = True
     index = active.nonzero()[:, 0]
-    flat_hidden, labels, weights = flat_hidden[index], labels[index], weights[index]
+    # one gather of the proposal slots 1..B-1 of the active blocks, contiguous [n, B-1, H]
+    proposal_hidden = hidden.reshape(-1, block_size, hidden.shape[-1])[index, 1:]
+    labels, weights = labels[index], weights[index]
 
     decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
     top_k = draft.candidate_selector.top_k if with_selector else 0
-    head = _head_pass(flat_hidden, labels, weights, weight, draft.dflash, config, decay, top_k)
+    head = _head_pass(proposal_hidden, labels, weights, weight, draft.dflash, config, decay, top_k)
     numerator = head.numerator
-    selector = _SelectorTerm(draft, weight, config)(flat_hidden, labels, head) if with_selector else None
+    selector = _SelectorTerm(draft, weight, config)(proposal_hidden, labels, head) if with_selector else None
     selector_numerator = selector.numerator if selector is not None else hidden.new_zeros((), dtype=torch.float32)
     with torch.no_grad():
         terms = _metrics(labels, weights, head, selector)
-    denominator = loss_denominator(blocks.weights, config)
+    denominator = loss_denominator(blocks.weights, config, decay)
 
     total = numerator + alpha_eff * selector_numerator
     loss = torch.where(denominator > 0, total / denominator.clamp(min=1e-12), total * 0.0)
@@ -441,11 +449,16 @@ def draft_objective(
     backend = draft.config._attn_implementation or "sdpa"
     masks = attention_masks(blocks, settings, "flex_attention" if backend == "flex_attention" else "sdpa")
     noise = embed_draft_ids(embedding_weight, blocks.draft_ids, settings.input_embedding_scale)
+
+    def objective(hidden: torch.Tensor) -> dict:
+        with record_function(OBJECTIVE_LABEL):
+            return dflash_loss(draft, hidden, blocks, output_head, config, alpha).as_dict()
+
     outputs = (forward_module or draft)(
         position_ids=blocks.model_position_ids(),
         noise_embedding=noise.to(target_hidden.dtype),
         target_hidden=target_hidden,
         attention_mask=masks,
-        output_transform=lambda hidden: dflash_loss(draft, hidden, blocks, output_head, config, alpha).as_dict(),
+        output_transform=objective,
     )
     return ObjectiveResult(**outputs)

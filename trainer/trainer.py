@@ -42,7 +42,7 @@ from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
 from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
 from trainer.fileio import replace_files_atomically, write_file_atomically
 from trainer.hub import PushExportOnSaveCallback, publish
-from trainer.metrics import MetricTerms, add_terms
+from trainer.metrics import MetricTerms, add_terms, flatten_terms, ratios
 from trainer.objective import (
     ObjectiveResult,
     configure_selector_training,
@@ -348,13 +348,10 @@ class DFlash2Trainer(Trainer):
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         sums = self._metric_sums[mode]
         if sums:
-            names = sorted(sums)
-            stacked = torch.stack([torch.stack([sums[name][0], sums[name][1]]).float() for name in names])
-            stacked = self.accelerator.reduce(stacked.to(self.args.device), reduction="sum")
+            names, pairs = flatten_terms(sums)
+            pairs = self.accelerator.reduce(pairs.to(self.args.device), reduction="sum")
             prefix = "eval_" if mode == "eval" else ""
-            for name, (numerator, denominator) in zip(names, stacked.tolist(), strict=True):
-                if denominator > 0:
-                    logs[f"{prefix}{name}"] = numerator / denominator
+            logs.update({f"{prefix}{name}": value for name, value in ratios(names, pairs).items()})
             sums.clear()
         if mode == "train" and self._selector_alpha is not None and draft_has_selector(self.model):
             logs["selector_alpha"] = self._selector_alpha
