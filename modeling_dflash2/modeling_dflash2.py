@@ -66,6 +66,11 @@ def unary_transform(logits: torch.Tensor, output_multiplier: float, softcap: flo
     return logits
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)` without an op when it already has that dtype."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _as_float(tensor: torch.Tensor) -> torch.Tensor:
     """At least fp32, without a cast op when it already is (every op is a kernel launch)."""
     return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
@@ -94,7 +99,7 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = values * inverse_rms
         ctx.save_for_backward(normed, inverse_rms, weight)
         ctx.input_dtype = hidden.dtype
-        return weight * (normed if hidden.dtype == torch.float32 else normed.to(hidden.dtype))
+        return weight * _cast(normed, hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -102,11 +107,13 @@ class _RMSNormFunction(torch.autograd.Function):
         grad = _as_float(grad_output)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+            grad_weight = _cast((grad * normed).flatten(0, -2).sum(0), weight.dtype)
         if ctx.needs_input_grad[0]:
+            # d/dx of normed . g = rsqrt(ms + eps) * (g - normed * mean(g * normed))
             grad_normed = grad * _as_float(weight)
-            projection = (grad_normed * normed).sum(-1, keepdim=True).div_(normed.shape[-1])
-            grad_hidden = grad_normed.sub_(normed * projection).mul_(inverse_rms).to(ctx.input_dtype)
+            projection = (grad_normed * normed).sum(-1, keepdim=True)
+            grad_normed.addcmul_(normed, projection, value=-1.0 / normed.shape[-1]).mul_(inverse_rms)
+            grad_hidden = _cast(grad_normed, ctx.input_dtype)
         return grad_hidden, grad_weight, None
 
 
@@ -143,8 +150,8 @@ class DFlashRotaryEmbedding(nn.Module):
         self.theta = theta
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        return 1.0 / (self.theta**exponents)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return torch.pow(self.theta, exponents).reciprocal()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [b, 1, len, d] for `apply_rotary`; sin's first half carries rotate-half's minus sign."""
@@ -390,7 +397,7 @@ class _GroupedDynamicCausalConv(torch.autograd.Function):
         taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
         output = (taps * _conv_kernel(base_kernel, dynamic_kernel, inside, groups)).sum(2).view(hidden.shape)
         ctx.save_for_backward(hidden, base_kernel, dynamic_kernel, sources, inside)
-        return output if output.dtype == hidden.dtype else output.to(hidden.dtype)
+        return _cast(output, hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -401,15 +408,14 @@ class _GroupedDynamicCausalConv(torch.autograd.Function):
         grad_hidden = grad_base = grad_dynamic = None
         if ctx.needs_input_grad[0]:
             sent = (_conv_kernel(base_kernel, dynamic_kernel, inside, groups) * grad).view(batch, -1, hidden_size)
-            grad_hidden = torch.zeros_like(hidden, dtype=sent.dtype).index_add_(1, sources, sent)
-            grad_hidden = grad_hidden if grad_hidden.dtype == hidden.dtype else grad_hidden.to(hidden.dtype)
+            grad_hidden = _cast(torch.zeros_like(hidden, dtype=sent.dtype).index_add_(1, sources, sent), hidden.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
             products = taps * (grad * inside)  # [b, L, k, G, H/G]: grad[t, c] * hidden[t - o, c] inside the block
             if ctx.needs_input_grad[1]:
-                grad_base = products.sum((0, 1)).view(base_kernel.shape).to(base_kernel.dtype)
+                grad_base = _cast(products.sum((0, 1)).view(base_kernel.shape), base_kernel.dtype)
             if ctx.needs_input_grad[2]:
-                grad_dynamic = products.sum(-1).to(dynamic_kernel.dtype)
+                grad_dynamic = _cast(products.sum(-1), dynamic_kernel.dtype)
         return grad_hidden, grad_base, grad_dynamic, None
 
 
@@ -434,13 +440,17 @@ class DFlash2GroupedDynamicConv(nn.Module):
         kernel[:, 0, :] = 1.0
         return kernel
 
-    def prepare(self, hidden: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, hidden: torch.Tensor, block_size: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Side 0 applied to the sublayer input; returns it and side 1's (base [k, H], dynamic
+        [b, L, k, G]) kernels for `finish`. Both sides are split off with one unbind each."""
         dynamic = self.kernel_projection(hidden).view(*hidden.shape[:-1], 2, self.kernel_size, self.groups)
-        convolved = grouped_dynamic_causal_conv(hidden, self.base_kernel[0], dynamic[..., 0, :, :], block_size)
-        return convolved, dynamic[..., 1, :, :]
+        (base_before, base_after), (dynamic_before, dynamic_after) = self.base_kernel.unbind(0), dynamic.unbind(-3)
+        convolved = grouped_dynamic_causal_conv(hidden, base_before, dynamic_before, block_size)
+        return convolved, (base_after, dynamic_after)
 
-    def finish(self, hidden: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
-        return grouped_dynamic_causal_conv(hidden, self.base_kernel[1], dynamic, block_size)
+    def finish(self, hidden: torch.Tensor, kernel: tuple[torch.Tensor, torch.Tensor], block_size: int) -> torch.Tensor:
+        """Side 1 applied to the sublayer output, with the kernels `prepare` returned."""
+        return grouped_dynamic_causal_conv(hidden, *kernel, block_size)
 
 
 class DFlash2DecoderLayer(GradientCheckpointingLayer):
@@ -505,6 +515,11 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
 # ---------------------------------------------------------------------------------------------
 
 
+def row_products(rows: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """`rows` [..., K, d] times `vectors` [..., d] -> [..., K]: one batched matrix-vector product."""
+    return torch.matmul(rows, vectors.unsqueeze(-1)).squeeze(-1)
+
+
 @dataclass
 class SelectorScores:
     """Teacher-forced selector scores: candidates [..., K] (descending unary), their unary logits, S."""
@@ -559,7 +574,7 @@ class DFlash2CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """Bilinear term for projected [..., r], predecessors [...] and candidates [..., K] -> [..., K]."""
         conditioned = self.predecessor_codebook[predecessor_ids] * projected
-        return torch.einsum("...r,...kr->...k", conditioned, self.successor_codebook[candidate_ids]).float()
+        return row_products(self.successor_codebook[candidate_ids], conditioned).float()
 
     def score(self, hidden: torch.Tensor, unary: torch.Tensor, predecessor_ids: torch.Tensor) -> SelectorScores:
         """Vectorized teacher-forced scores: every position at once, predecessors given."""
@@ -590,7 +605,7 @@ class DFlash2CandidateSelector(nn.Module):
         projected = self.hidden_projection(hidden)
         first = candidate_unary[:, 0] + self.transition(projected[:, 0], anchor_ids, candidate_ids[:, 0])
         conditioned = self.predecessor_codebook[candidate_ids[:, :-1]] * projected[:, 1:, None, :]
-        bilinear = torch.einsum("btir,btjr->btij", conditioned, self.successor_codebook[candidate_ids[:, 1:]])
+        bilinear = torch.matmul(conditioned, self.successor_codebook[candidate_ids[:, 1:]].transpose(-1, -2))
         transitions = candidate_unary[:, 1:, None, :] + bilinear.float()
         return SelectorLattice(candidate_ids, first, transitions)
 

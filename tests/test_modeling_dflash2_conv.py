@@ -71,12 +71,13 @@ def test_kernel_projection_rows_are_side_tap_group():
         conv.kernel_projection.weight[0 * 4 + 1 * 2 + 1, 0] = 1.0  # side 0, tap 1, group 1 <- x[:, 0]
         conv.kernel_projection.weight[1 * 4 + 0 * 2 + 0, 1] = 1.0  # side 1, tap 0, group 0 <- x[:, 1]
     x = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]])
-    prepared, side_one = conv.prepare(x, block_size=2)
+    prepared, (base_one, side_one) = conv.prepare(x, block_size=2)
+    assert torch.equal(base_one, conv.base_kernel[1])
     # side 0: t=1 adds x[t,0] * x[t-1, c] on group 1 (channels 2, 3): 5 * [3, 4]
     assert prepared[0].tolist() == [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0 + 15.0, 8.0 + 20.0]]
     assert side_one[0, :, 0, 0].tolist() == [2.0, 6.0]  # tap 0, group 0 = x[t, 1]
     assert side_one[0].abs().sum() == 8.0
-    finished = conv.finish(torch.ones(1, 2, 4), side_one, block_size=2)
+    finished = conv.finish(torch.ones(1, 2, 4), (base_one, side_one), block_size=2)
     assert finished[0].tolist() == [[3.0, 3.0, 1.0, 1.0], [7.0, 7.0, 1.0, 1.0]]
 
 

@@ -63,6 +63,7 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
             grad_hidden = gradient.to(hidden.dtype) @ weight
             numerator = (nll * weights).sum()
         ctx.save_for_backward(grad_hidden)
+        ctx.set_materialize_grads(False)  # the detached outputs get no gradient: no zero tensors for them
         outputs = (nll, weights, argmax) + ((top.values, top.indices) if top is not None else ())
         ctx.mark_non_differentiable(*outputs)
         return (numerator, *outputs)
@@ -70,7 +71,8 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_numerator, *unused):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_numerator * grad_hidden, None, None, None, None, None, None
+        grad = None if grad_numerator is None else grad_numerator * grad_hidden
+        return grad, None, None, None, None, None, None
 
 
 def fused_unary_cross_entropy(

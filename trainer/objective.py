@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, join_lattices, unary_transform
+from modeling_dflash2.modeling_dflash2 import row_products
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 from trainer.loss_head import HeadOutputs, fused_unary_cross_entropy
 from trainer.masks import attention_masks
@@ -122,10 +123,9 @@ def selector_alpha_at(step: int | None, total_steps: int | None, config: Objecti
 
 def decay_weights(block_size: int, gamma: float | None, device: torch.device | None = None) -> torch.Tensor:
     """[B] position weights exp(-(k - 1) / gamma) for k >= 1 (slot 0 is never scored)."""
-    slots = torch.arange(block_size, device=device, dtype=torch.float32)
     if gamma is None:
         return torch.ones(block_size, device=device)
-    return torch.exp(-(slots - 1).clamp(min=0) / gamma)
+    return torch.tensor([math.exp(-max(slot - 1, 0) / gamma) for slot in range(block_size)], device=device)
 
 
 def dpace_weights(nll: torch.Tensor, weights: torch.Tensor, alpha: float, weighting: str = "full") -> torch.Tensor:
@@ -308,7 +308,7 @@ class _SelectorTerm:
         if self.config.selector_stop_gradient:
             hidden = hidden.detach()
         # candidates' transformed unary logits from K rows of the head, not from [rows, V] logits
-        logits = torch.einsum("...h,...kh->...k", hidden, self.head_weight[candidate_ids].to(hidden.dtype))
+        logits = row_products(self.head_weight[candidate_ids].to(hidden.dtype), hidden)
         settings = self.draft.dflash
         candidate_unary = unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
         predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor
@@ -407,7 +407,8 @@ def dflash_loss(
     denominator = loss_denominator(blocks.weights, config, decay)
 
     total = numerator + alpha_eff * selector_numerator
-    loss = torch.where(denominator > 0, total / denominator.clamp(min=1e-12), total * 0.0)
+    # nothing supervised: every weight is 0, so is `total`, and the loss is 0 (not 0 / 0)
+    loss = total / denominator.clamp(min=1e-12)
     terms["loss"] = (total.detach(), denominator.detach())
     terms["loss_base"] = (numerator.detach(), denominator.detach())
     if with_selector:
