@@ -37,6 +37,7 @@ from trainer.checkpoints import (
     rotate,
     staging_parent,
 )
+from trainer.compile import compile_decoder_layers
 from trainer.data import end_of_turn_ids
 from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
 from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
@@ -76,6 +77,8 @@ class DFlash2Trainer(Trainer):
         self.objective = args.objective_config()
         configure_selector_training(model, self.objective)
         target.check_draft(model.dflash, model.config)
+        if args.torch_compile:
+            compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
         super().__init__(model=model, args=args, **kwargs)
         # The Hub token lives in memory only: training_args.bin and every other file stay token-free.
         self._hub_token, self.args.hub_token = self.args.hub_token, None
@@ -104,6 +107,16 @@ class DFlash2Trainer(Trainer):
             prompts = [prompt_ids(self.eval_dataset[i]) for i in range(count)]
             stops = sorted(end_of_turn_ids(target.tokenizer)) if target.tokenizer is not None else None
             self.add_callback(SpeculativeEvalCallback(self, prompts, self.args.spec_eval_max_new_tokens, stops))
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        """The draft's layers are compiled in place (`trainer.compile`): accelerate must not compile
+        the whole model again."""
+        arguments = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile and "dynamo_plugin" in arguments:
+            from accelerate.utils import TorchDynamoPlugin
+
+            arguments["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return arguments
 
     # -- data: anchors and the global denominator of each optimizer step ------------------------
 
