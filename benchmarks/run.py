@@ -1,8 +1,10 @@
 """Run the benchmarks: `make bench` (or `python -m benchmarks.run [--quick] [--device cuda]`).
 
 Sections: matmul peak; one training step at the SmolLM2 draft config and at a large config (MFU,
-speed-up over the naive reference, loss agreement); loss-head peak memory against the number of
-anchors, chunked vs unchunked; speculative decoding tokens/s with SmolLM2. Writes JSON under
+speed-up over the naive reference, loss agreement); ATen ops per step by phase, DFlash2 against
+DFlash v1; `torch_compile` against eager; loss-head peak memory against the number of anchors,
+chunked vs unchunked; the target's context capture, truncated vs full depth; the memory planner
+against measured peaks; speculative decoding tokens/s with SmolLM2. Writes JSON under
 benchmarks/results/ and prints Markdown tables. Not part of `make test`.
 """
 
@@ -16,8 +18,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from benchmarks import setups
+from benchmarks import plan_check, setups
+from benchmarks.capture import bench_capture
+from benchmarks.compile_step import bench_compile
 from benchmarks.loss_memory import sweep
+from benchmarks.op_count import op_counts
 from benchmarks.spec_decode import bench_spec_decode
 from benchmarks.train_step import bench_train_step, matmul_peak
 
@@ -30,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny config only (a smoke run)")
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--skip-spec", action="store_true")
+    parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -51,8 +57,15 @@ def main(argv: list[str] | None = None) -> dict:
         step_setups.append(setups.large_setup())
     for setup in step_setups:
         results["train_step"].append(bench_train_step(setup, args.device, dtype, attention, peak=peak))
+    results["op_counts"] = op_counts(setups.tiny_setup() if args.quick else setups.smollm2_setup())
+    if not args.quick and not args.skip_compile:
+        results["compile"] = bench_compile(device=args.device)
     anchors = (8, 16) if args.quick else (64, 128, 256, 512, 1024)
     results["loss_head_memory"] = sweep("tiny" if args.quick else "smollm2", anchors, args.device)
+    if not args.quick:
+        results["capture"] = bench_capture(args.device)
+        if not gpu:
+            results["planner_vs_measured"] = plan_check.plan_check()
     if not args.quick and not args.skip_spec:
         results["spec_decode"] = bench_spec_decode(device=args.device)
     RESULTS.mkdir(exist_ok=True)
@@ -76,6 +89,24 @@ def tables(results: dict) -> str:
             f"{r.get('naive_seconds_per_step', float('nan')):.3f} | "
             f"{r.get('speedup_over_naive', float('nan')):.1f}× | {r.get('losses_agree')} |"
         )
+    counts = results["op_counts"]
+    lines += [
+        "",
+        "| aten ops per step | draft forward | objective | backward | total |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in (("dflash2", "DFlash2"), ("dflash_v1", "DFlash v1")):
+        c = counts[name]
+        lines.append(f"| {label} | {c['draft_forward']} | {c['objective']} | {c['backward']} | {c['total']} |")
+    if "compile" in results:
+        c = results["compile"]
+        lines += [
+            "",
+            f"torch_compile (draft layers, inductor): eager {c['eager_seconds_per_step']:.3f} s/step, compiled "
+            f"{c['compiled_seconds_per_step']:.3f} s/step ({c['speedup']:.2f}x), first step "
+            f"{c['first_compiled_step_seconds']:.1f} s, {c['recompilations']} recompilation(s) over lengths "
+            f"{c['lengths']}, largest loss difference {c['max_loss_difference']:.1e}",
+        ]
     lines += [
         "",
         "| anchors | chunked peak MB | unchunked peak MB | unchunked logits MB | chunked / logits |",
@@ -91,6 +122,17 @@ def tables(results: dict) -> str:
             f"| {anchors} | {chunked['peak_bytes'] / 2**20:.0f} | {unchunked['peak_bytes'] / 2**20:.0f} | "
             f"{logits / 2**20:.0f} | {chunked['peak_bytes'] / logits:.3f} |"
         )
+    if "capture" in results:
+        small, large = results["capture"]["smollm2_135m"], results["capture"]["qwen3_8b_flops"]
+        lines += [
+            "",
+            f"context capture, SmolLM2-135M layers {small['layer_ids']} of {small['target_layers']}: full depth "
+            f"{small['seconds_full_depth']:.3f} s, truncated {small['seconds_truncated']:.3f} s "
+            f"({small['truncated_over_full']:.2f}; layers {small['expected_layer_ratio']:.2f}); Qwen3-8B: "
+            f"{large['saving_fraction']:.1%} of the target's forward FLOPs saved",
+        ]
+    if "planner_vs_measured" in results:
+        lines += ["", plan_check.table(results["planner_vs_measured"])]
     if "spec_decode" in results:
         spec = results["spec_decode"]
         lines += [

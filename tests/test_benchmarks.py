@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import run, setups
 from benchmarks.flops import step_flops
 from benchmarks.naive import naive_step
+from benchmarks.op_count import count_step_ops
 from benchmarks.train_step import optimized_step
 from trainer.masks import attention_masks
 from trainer.objective import ObjectiveConfig, embed_draft_ids
@@ -64,3 +65,16 @@ def test_quick_run_writes_results(tmp_path, capsys):
     modes = {(m["anchors"], m["mode"]) for m in saved["loss_head_memory"]}
     assert modes == {(8, "chunked"), (8, "unchunked"), (16, "chunked"), (16, "unchunked")}
     assert "| anchors |" in capsys.readouterr().out and results["train_step"][0]["setup"].startswith("tiny")
+    counts = saved["op_counts"]
+    for name in ("dflash2", "dflash_v1"):
+        c = counts[name]
+        assert c["draft_forward"] + c["objective"] + c["backward"] == c["total"] > 0
+    assert counts["dflash2"]["objective"] > counts["dflash_v1"]["objective"]  # the selector's term and walk
+
+
+def test_dflash2_step_at_the_demo_shape_launches_at_most_3000_aten_ops():
+    """The lean-step budget (one op is at least one kernel launch on a GPU): forward, objective and
+    backward of the SmolLM2 step, selector on, counted with torch.profiler on one thread."""
+    counts = count_step_ops(setups.smollm2_setup())
+    assert counts["total"] <= 3000, counts
+    assert counts["backward"] > 0 and counts["objective"] > 0 and counts["draft_forward"] > 0
