@@ -20,13 +20,15 @@ import torch.nn.functional as F
 @dataclass
 class HeadOutputs:
     """numerator = sum(pw * nll) (differentiable); the rest is detached: per-row nll, position
-    weights, argmax, and the strict top-K (values, ids) of the transformed logits (None if K=0)."""
+    weights, argmax, the strict top-K (values, ids) of the transformed logits (None if K=0) and
+    the gold token's transformed logit."""
 
     numerator: torch.Tensor
     nll: torch.Tensor
     position_weights: torch.Tensor
     argmax: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None
+    gold: torch.Tensor | None = None  # the gold token's transformed logit per row
 
 
 class _FusedUnaryCrossEntropy(torch.autograd.Function):
@@ -64,7 +66,7 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
             numerator = (nll * weights).sum()
         ctx.save_for_backward(grad_hidden)
         ctx.set_materialize_grads(False)  # the detached outputs get no gradient: no zero tensors for them
-        outputs = (nll, weights, argmax) + ((top.values, top.indices) if top is not None else ())
+        outputs = (nll, weights, argmax, gold) + ((top.values, top.indices) if top is not None else ())
         ctx.mark_non_differentiable(*outputs)
         return (numerator, *outputs)
 
@@ -89,6 +91,51 @@ def fused_unary_cross_entropy(
     outputs = _FusedUnaryCrossEntropy.apply(
         hidden, head_weight.detach(), labels, position_weights_fn, multiplier, softcap, top_k
     )
-    numerator, nll, weights, argmax = outputs[:4]
-    top = (outputs[4], outputs[5]) if top_k else None
-    return HeadOutputs(numerator=numerator, nll=nll, position_weights=weights, argmax=argmax, top=top)
+    numerator, nll, weights, argmax, gold = outputs[:5]
+    top = (outputs[5], outputs[6]) if top_k else None
+    return HeadOutputs(numerator=numerator, nll=nll, position_weights=weights, argmax=argmax, top=top, gold=gold)
+
+
+class _CandidateUnary(torch.autograd.Function):
+    """The candidates' transformed unary logits [..., K] as a function of the hidden states [..., H].
+
+    Their values are the top-K the LM-head pass already computed (exactly the numbers the server's
+    selector sees), so the forward does no work; the backward needs sum_k g_k du_k/dz_k W[id_k] per
+    row, which one `embedding_bag` (weighted sum of K head rows) forms without the [rows, K, H]
+    gather a dot-product formulation would keep or recompute."""
+
+    @staticmethod
+    def forward(ctx, hidden, values, weight, ids, multiplier, softcap):
+        ctx.save_for_backward(values, weight, ids)
+        ctx.multiplier, ctx.softcap, ctx.hidden_shape, ctx.hidden_dtype = (
+            multiplier,
+            softcap,
+            hidden.shape,
+            hidden.dtype,
+        )
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad_values):
+        values, weight, ids = ctx.saved_tensors
+        slope = grad_values * ctx.multiplier if ctx.multiplier != 1.0 else grad_values
+        if ctx.softcap is not None:  # u = cap tanh(m z / cap): du/dz = m (1 - (u / cap)^2)
+            slope = slope * (1.0 - (values / ctx.softcap).square())
+        top_k = ids.shape[-1]
+        grad_hidden = F.embedding_bag(
+            ids.reshape(-1, top_k), weight, mode="sum", per_sample_weights=slope.reshape(-1, top_k).to(weight.dtype)
+        )
+        return grad_hidden.view(ctx.hidden_shape).to(ctx.hidden_dtype), None, None, None, None, None
+
+
+def candidate_unary(
+    hidden: torch.Tensor,
+    values: torch.Tensor,
+    head_weight: torch.Tensor,
+    ids: torch.Tensor,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """hidden [..., H]; `values` [..., K] the transformed logits of token `ids` [..., K] (computed by
+    the LM-head pass); returns them differentiable with respect to `hidden`."""
+    return _CandidateUnary.apply(hidden, values.detach(), head_weight.detach(), ids, multiplier, softcap)

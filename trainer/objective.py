@@ -28,10 +28,9 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from modeling_dflash2 import DFlashDraftModel, join_lattices, unary_transform
-from modeling_dflash2.modeling_dflash2 import row_products
+from modeling_dflash2 import DFlashDraftModel, join_lattices
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.loss_head import HeadOutputs, fused_unary_cross_entropy
+from trainer.loss_head import HeadOutputs, candidate_unary, fused_unary_cross_entropy
 from trainer.masks import attention_masks
 from trainer.metrics import MetricTerms, selector_terms, unary_terms
 
@@ -171,6 +170,7 @@ class _HeadPass:
     position_weights: torch.Tensor
     argmax: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None
+    gold: torch.Tensor
 
 
 def _head_pass(
@@ -225,13 +225,14 @@ def _head_pass(
         position_weights=joined([piece.position_weights for piece in pieces]),
         argmax=joined([piece.argmax for piece in pieces]),
         top=top,
+        gold=joined([piece.gold for piece in pieces]),
     )
 
 
-def selector_chunk_blocks(config: ObjectiveConfig, vocab_size: int, hidden_size: int, top_k: int) -> int:
-    """Blocks per selector chunk: its recomputed [rows, K, H] candidate head rows take no more memory
-    than one LM-head chunk's [rows, V] logits, so the selector never raises the loss head's peak."""
-    return config.chunk_blocks * max(1, vocab_size // max(1, top_k * hidden_size))
+def selector_chunk_blocks(config: ObjectiveConfig, vocab_size: int, rank: int, top_k: int) -> int:
+    """Blocks per selector chunk: its [rows, K, r] codebook rows take no more memory than one LM-head
+    chunk's [rows, V] logits, so the selector never raises the loss head's peak."""
+    return config.chunk_blocks * max(1, vocab_size // max(1, top_k * rank))
 
 
 @dataclass
@@ -250,8 +251,9 @@ class _SelectorPass:
 class _SelectorTerm:
     """Teacher-forced selector cross-entropy over the strict unary top-K, in memory-sized chunks.
 
-    With several chunks each runs under activation checkpointing: its [rows, K, H] and [rows, K, r]
-    gathers are recomputed in backward rather than kept, so they never add up across chunks. A
+    The candidates' unary logits are the LM-head pass's top-K values (`candidate_unary`: no head rows
+    are gathered). With several chunks each runs under activation checkpointing: its [rows, K, r]
+    codebook rows are recomputed in backward rather than kept, so they never add up across chunks. A
     single chunk keeps them: the selector's backward runs first and frees them before anything else
     is allocated, so recomputing would cost a second forward and save no memory."""
 
@@ -267,17 +269,19 @@ class _SelectorTerm:
             weakest = torch.arange(candidate_ids.shape[-1], device=gold.device) == candidate_ids.shape[-1] - 1
             replace = ~covered[..., None] & weakest
             candidate_ids = torch.where(replace, gold[..., None], candidate_ids)
+            candidate_values = torch.where(replace, head.gold[..., None], candidate_values)
             selector_weight = head.position_weights
         else:
             selector_weight = head.position_weights * covered
         gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1)
-        hidden_size = proposal_hidden.shape[-1]
-        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], hidden_size, self.selector.top_k)
+        rank = self.selector.hidden_projection.out_features
+        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], rank, self.selector.top_k)
         numerator = proposal_hidden.new_zeros((), dtype=torch.float32)
         scores, lattices = [], []
         for start in range(0, labels.shape[0], step):
             chunk = slice(start, start + step)
-            arguments = (proposal_hidden[chunk], candidate_ids[chunk], labels[chunk], gold_index[chunk])
+            arguments = (proposal_hidden[chunk], candidate_ids[chunk], candidate_values[chunk], labels[chunk])
+            arguments += (gold_index[chunk],)
             arguments += (selector_weight[chunk],)
             if torch.is_grad_enabled() and step < labels.shape[0]:
                 total, chunk_scores = checkpoint(self._numerator, *arguments, use_reentrant=False)
@@ -291,7 +295,7 @@ class _SelectorTerm:
                         proposal_hidden[chunk].detach(),
                         None,
                         labels[chunk, 0],
-                        candidates=(candidate_values[chunk], head.top[1][chunk]),
+                        candidates=(head.top[0][chunk], head.top[1][chunk]),
                     )
                 )
         with torch.no_grad():
@@ -304,15 +308,20 @@ class _SelectorTerm:
             walk_tokens=walk.tokens,
         )
 
-    def _numerator(self, hidden, candidate_ids, labels, gold_index, selector_weight):
+    def _numerator(self, hidden, candidate_ids, candidate_values, labels, gold_index, selector_weight):
         if self.config.selector_stop_gradient:
             hidden = hidden.detach()
-        # candidates' transformed unary logits from K rows of the head, not from [rows, V] logits
-        logits = row_products(self.head_weight[candidate_ids].to(hidden.dtype), hidden)
         settings = self.draft.dflash
-        candidate_unary = unary_transform(logits, settings.output_multiplier, settings.final_logit_softcapping)
+        unary = candidate_unary(
+            hidden,
+            candidate_values,
+            self.head_weight,
+            candidate_ids,
+            settings.output_multiplier,
+            settings.final_logit_softcapping,
+        )
         predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor
-        scores = self.selector.score_candidates(hidden, candidate_ids, candidate_unary, predecessors).scores
+        scores = self.selector.score_candidates(hidden, candidate_ids, unary, predecessors).scores
         cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[..., None])[..., 0]
         return (cross_entropy * selector_weight).sum(), scores.detach()
 

@@ -680,7 +680,7 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     softmax and then the gradient in place (plus the logits' fp32 copy when they are 16-bit, one
     buffer for an output multiplier, two for a soft-cap, and the gradient's cast back to the hidden
     dtype), and the LM head cast to the hidden states' dtype when the target's differs. A selector
-    chunk's gathered [rows, K, H] head rows are sized to be no larger; the larger of the two counts."""
+    chunk's [rows, K, r] codebook rows are sized to be no larger; the larger of the two counts."""
     m, s, tb = run.precision.compute, run.precision.stream, run.target_bytes
     blocks = shape.rows * run.num_anchors
     slots = draft.block_size - 1
@@ -695,11 +695,10 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     per_logit += (s if s != FP32 else 0) + (m if m != s else 0)  # gradient cast to the hidden, autocast's matmul cast
     head_copies = v * h * ((s if tb != s else 0) + (m if m != s else 0))
     transient = chunk_rows * v * per_logit + head_copies
-    if top_k:
-        step = run.chunk_blocks * max(1, v // (top_k * h))
+    if top_k:  # the selector's candidate logits reuse the head's top-K: only [rows, K, r] codebook rows
+        step = run.chunk_blocks * max(1, v // (top_k * draft.selector_rank))
         selector_rows = min(step, blocks) * slots
-        gathered = selector_rows * top_k * h * (tb + (s if s != tb else 0))
-        transient = max(transient, gathered + 3 * FP32 * selector_rows * top_k * draft.selector_rank)
+        transient = max(transient, 3 * FP32 * selector_rows * top_k * draft.selector_rank)
     return kept, transient
 
 
