@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,13 @@ demo: setup
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup
 	$(BIN)/python -m benchmarks.run
+
+# the first thing to run on a GPU machine (<= 8 min on one GPU): the CUDA-only tests, then the GPU
+# benchmark (MFU, tok/s, op and kernel counts, allocator peak vs the memory planner); writes
+# benchmarks/results/cuda.json and exits non-zero if a check failed. Without a GPU:
+# `$(BIN)/python -m benchmarks.gpu_check --dry-run` plans it all.
+gpu-check: setup
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info
