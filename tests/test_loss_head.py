@@ -52,3 +52,32 @@ def test_candidate_unary_gradient_is_the_dot_product_formulation(multiplier, sof
     (expected,) = torch.autograd.grad(direct, hidden, upstream)
     (grad,) = torch.autograd.grad(ours, hidden, upstream)
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_under_autocast_a_16_bit_head_is_never_copied():
+    """Mixed precision without FSDP: the hidden states are fp32, the target's head bf16; the GEMMs
+    run in bf16 on the head as it is (a [V, H] copy per chunk would be 2.5 GB for Qwen3-8B)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopiedShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(64, 16, generator=generator).to(torch.bfloat16)
+    labels = torch.randint(0, 64, (6,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16), CopiedShapes() as copies:
+        head = fused_unary_cross_entropy(hidden, weight, labels, lambda nll: torch.ones_like(nll))
+        head.numerator.backward()
+    assert (64, 16) not in copies.shapes, copies.shapes
+    assert hidden.grad.dtype == torch.float32 and torch.isfinite(hidden.grad).all()
+    expected = F.cross_entropy(F.linear(hidden.detach().to(torch.bfloat16), weight).float(), labels, reduction="sum")
+    torch.testing.assert_close(head.numerator, expected, rtol=1e-3, atol=1e-3)

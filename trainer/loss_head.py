@@ -35,7 +35,10 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, position_weights_fn, multiplier, softcap, top_k):
         with torch.no_grad():
-            weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+            # Under autocast both GEMMs run in the autocast dtype and a 16-bit head is used as it is;
+            # otherwise the head is cast to the hidden states' dtype (a [V, H] copy only if they differ).
+            if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
+                weight = weight.to(hidden.dtype)
             logits = F.linear(hidden, weight)
             unary = logits if logits.dtype == torch.float32 else logits.float()
             if multiplier != 1.0:
@@ -62,7 +65,7 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
                 gradient.mul_(1.0 - squashed.square_())
             if multiplier != 1.0:
                 gradient.mul_(multiplier)
-            grad_hidden = gradient.to(hidden.dtype) @ weight
+            grad_hidden = (gradient.to(hidden.dtype) @ weight).to(hidden.dtype)
             numerator = (nll * weights).sum()
         ctx.save_for_backward(grad_hidden)
         ctx.set_materialize_grads(False)  # the detached outputs get no gradient: no zero tensors for them

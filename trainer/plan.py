@@ -679,7 +679,8 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     (R = chunk_blocks * (B - 1) rows): the chunk's [R, V] logits, one fp32 buffer that becomes the
     softmax and then the gradient in place (plus the logits' fp32 copy when they are 16-bit, one
     buffer for an output multiplier, two for a soft-cap, and the gradient's cast back to the hidden
-    dtype), and the LM head cast to the hidden states' dtype when the target's differs. A selector
+    dtype), and one copy of the LM head: in the autocast dtype under autocast (none for a 16-bit
+    head), else in the hidden states' dtype, when the target's differs. A selector
     chunk's [rows, K, r] codebook rows are sized to be no larger; the larger of the two counts."""
     m, s, tb = run.precision.compute, run.precision.stream, run.target_bytes
     blocks = shape.rows * run.num_anchors
@@ -693,7 +694,9 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     chunk_rows = min(run.chunk_blocks, blocks) * slots
     per_logit = m + (FP32 if m != FP32 else 0) + FP32 * draft.extra_logit_buffers
     per_logit += (s if s != FP32 else 0) + (m if m != s else 0)  # gradient cast to the hidden, autocast's matmul cast
-    head_copies = v * h * ((s if tb != s else 0) + (m if m != s else 0))
+    # one copy of the head: under autocast (m != s) in the compute dtype, else in the stream's dtype
+    head_dtype_bytes = m if m != s else s
+    head_copies = v * h * (head_dtype_bytes if tb != head_dtype_bytes else 0)
     transient = chunk_rows * v * per_logit + head_copies
     if top_k:  # the selector's candidate logits reuse the head's top-K: only [rows, K, r] codebook rows
         step = run.chunk_blocks * max(1, v // (top_k * draft.selector_rank))
