@@ -280,9 +280,10 @@ class _SelectorTerm:
         scores, lattices = [], []
         for start in range(0, labels.shape[0], step):
             chunk = slice(start, start + step)
-            arguments = (proposal_hidden[chunk], candidate_ids[chunk], candidate_values[chunk], labels[chunk])
-            arguments += (gold_index[chunk],)
-            arguments += (selector_weight[chunk],)
+            arguments = tuple(
+                tensor[chunk]
+                for tensor in (proposal_hidden, candidate_ids, candidate_values, labels, gold_index, selector_weight)
+            )
             if torch.is_grad_enabled() and step < labels.shape[0]:
                 total, chunk_scores = checkpoint(self._numerator, *arguments, use_reentrant=False)
             else:
