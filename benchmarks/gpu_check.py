@@ -370,7 +370,8 @@ def measure_step_memory(setup: StepSetup) -> dict[str, Any]:
     the objective inside, backward, gradient clipping, AdamW step, zero_grad), measured after one
     step that created the optimizer states and compiled flex_attention. Measured = peak minus what
     was allocated before the step's objects existed, minus the target embedding and head."""
-    from trainer.objective import ObjectiveConfig, draft_objective
+    from benchmarks.train_step import optimized_step
+    from trainer.objective import ObjectiveConfig
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -383,22 +384,11 @@ def measure_step_memory(setup: StepSetup) -> dict[str, Any]:
 
     def step() -> float:
         with torch.autocast("cuda", dtype=GPU_DTYPE):
-            result = draft_objective(
-                draft,
-                batch.input_ids,
-                batch.loss_mask,
-                batch.target_hidden,
-                batch.embedding,
-                batch.head,
-                config,
-                None,
-                anchors=batch.anchors,
-            )
-        result.loss.backward()
+            loss = optimized_step(draft, batch, config)  # forward, objective, backward
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         draft.zero_grad(set_to_none=True)
-        return float(result.loss.detach())
+        return float(loss)
 
     step()
     torch.cuda.synchronize()
