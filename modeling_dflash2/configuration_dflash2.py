@@ -31,7 +31,7 @@ DEFAULT_ROPE_THETA = 10_000.0
 
 # Fields that only a DFlash2 draft has; all four are required for DFlash2 and forbidden for v1.
 DFLASH2_REQUIRED_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# Every field that belongs in `dflash_config` (contract.md §2a).
+# Every field that belongs in `dflash_config`.
 DFLASH_FIELDS = (
     "block_size",
     "mask_token_id",

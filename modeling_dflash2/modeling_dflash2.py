@@ -4,7 +4,7 @@ A draft predicts a block `[anchor, mask, ..., mask]` in one pass. Its queries ar
 (embedded with the target's embedding); its keys/values are `[context; block]`, where the context is
 `hidden_norm(fc(target hidden states))`. DFlash2 wraps every attention and MLP sublayer in a
 block-local grouped dynamic causal convolution and re-ranks the unary top-K candidates with a
-low-rank, predecessor-conditioned selector (contract.md §5).
+low-rank, predecessor-conditioned selector, computing what z-lab's reference and the servers compute.
 
 This file ships inside every checkpoint: it may import only torch, transformers and its sibling.
 """
@@ -696,7 +696,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Qwen3 init for the backbone; identity convs and a no-op selector (objective.md §9).
+        """Qwen3 init for the backbone; identity convs and a no-op selector.
 
         Uses transformers' `initialization` helpers, which skip tensors loaded from a checkpoint,
         so `from_pretrained` initialises exactly the missing DFlash2 modules this way.

@@ -1,4 +1,4 @@
-"""A loopback, in-memory Hub-compatible HTTP server for tests (hf-integration.md §8).
+"""A loopback, in-memory Hub-compatible HTTP server for tests.
 
 Implements the routes huggingface_hub 2.x uses to create a repo, commit files ("regular"
 uploads, inlined as base64), read repo info and trees, and download files. A commit is applied

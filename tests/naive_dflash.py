@@ -1,6 +1,6 @@
 """A deliberately naive second implementation of the draft forward, for equality tests.
 
-Loops over positions, taps, heads and keys, float64 throughout, written from contract.md §5
+Loops over positions, taps, heads and keys, float64 throughout, written from docs/checkpoint-contract.md
 rather than from the model code: RoPE by explicit angle pairs, the conv by its defining sum,
 attention by an explicit softmax over the visible keys.
 """
@@ -125,7 +125,8 @@ def forward(model, position_ids: torch.Tensor, noise: torch.Tensor, target_hidde
 
 
 def serving_visibility(model) -> Visible:
-    """contract.md §5.3 by positions: causal -> k <= q; sliding -> |q - k| < W (one-sided if causal)."""
+    """docs/checkpoint-contract.md's visibility by positions: causal -> k <= q; sliding -> |q - k| < W
+    (one-sided if causal)."""
 
     def visible(layer_idx: int, query_position: int, key_position: int) -> bool:
         causal = model.dflash.layer_is_causal(layer_idx)

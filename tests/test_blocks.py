@@ -1,4 +1,4 @@
-"""Anchors and block inputs (objective.md §2-4, §14 'Data and sampling')."""
+"""Anchors and block inputs (docs/training-objective.md, Anchors and Blocks)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Export a trained draft to a publishable folder in the public DFlash2 layout (contract.md §1-7).
+"""Export a trained draft to a publishable folder in the public DFlash2 layout (docs/checkpoint-contract.md).
 
 SGLang silently ignores unknown tensors and vLLM rejects extra ones, so this exporter is the only
-place the checkpoint contract is enforced: every rule of contract.md §7 is checked before anything
+place the checkpoint contract is enforced: every rule of docs/checkpoint-contract.md is checked before anything
 is written, the folder is written to a temporary sibling, reloaded strictly and compared against
 the in-memory draft (rule 20), and only then renamed into place.
 """
@@ -50,7 +50,7 @@ SECRET_KEYS = ("hub_token", "push_to_hub_token", "token", "hf_token")
 
 
 class ExportValidationError(ValueError):
-    """Raised with every broken contract rule, each named by its number in contract.md §7."""
+    """Raised with every broken contract rule, each named by its number in docs/checkpoint-contract.md."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def served_is_causal(config: DFlash2Config) -> bool:
 
 
 def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json exactly as the servers read it (contract.md §2, §6)."""
+    """config.json exactly as the servers read it (docs/checkpoint-contract.md)."""
     settings = config.dflash_settings
     public = {
         key: value
@@ -145,12 +145,12 @@ def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation: contract.md §7, all rules, before anything is written
+# Validation: every rule of docs/checkpoint-contract.md, before anything is written
 # ---------------------------------------------------------------------------------------------
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a public config (contract.md §3)."""
+    """Tensor name -> shape from a public config (docs/checkpoint-contract.md, Tensors)."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -200,7 +200,7 @@ def contract_violations(
     dtype: torch.dtype = torch.bfloat16,
     expected_block_size: int | None = None,
 ) -> list[str]:
-    """Every broken rule of contract.md §7, as 'rule N: ...' strings (empty when all hold)."""
+    """Every broken rule of docs/checkpoint-contract.md, as 'rule N: ...' strings (empty when all hold)."""
     failures: list[str] = []
 
     def fail(rule: int, message: str) -> None:

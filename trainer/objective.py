@@ -1,4 +1,4 @@
-"""The DFlash / DFlash2 training objective (objective.md §6-8).
+"""The DFlash / DFlash2 training objective (docs/training-objective.md).
 
 Base loss: cross-entropy on the served unary logits `softcap(m * z)` with position weights
 (gamma decay `exp(-(k-1)/gamma)`, or D-PACE), in numerator and denominator. DFlash2 adds the
@@ -47,7 +47,7 @@ def default_gamma(block_size: int) -> float | None:
 
 @dataclass
 class ObjectiveConfig:
-    """Knobs of the objective. Defaults follow objective.md where it names one.
+    """Knobs of the objective. Defaults are those of the published recipes where they name one.
 
     gamma: decay constant; None picks `default_gamma(block_size)`, 0 disables decay.
     loss_type: "ce" (gamma-decayed CE) or "dpace" (dynamic position-aware CE, weight `dpace_weighting`:

@@ -6,7 +6,7 @@ anchors and the loss mask (`loss_denominator`), so `get_batch_samples` draws the
 micro-batches of the step up front, sums their denominators, all-reduces that sum, and
 `compute_loss` returns `numerator * world_size / global_denominator`: summed over micro-batches by
 backward and averaged over ranks by DDP/FSDP, that is exactly the pooled loss's gradient. Hence
-`loss_is_scaled_for_ga = True` and no `labels` key (hf-integration.md §3).
+`loss_is_scaled_for_ga = True` and no `labels` key.
 
 Metrics are additive (numerator, denominator) pairs kept per mode and reduced across processes in
 `log()`, so `tau_walk` in training and `eval_tau_walk` in evaluation are pooled exactly too.

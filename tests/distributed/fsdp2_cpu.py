@@ -1,7 +1,7 @@
 """Test-only: run DFlash2Trainer through accelerate's real FSDP2 path on CPU (gloo), 2 ranks.
 
 accelerate enables FSDP only for GPU-like devices, so this forces the accelerator state to FSDP
-after creation (hf-integration.md §5). It exercises fully_shard wrapping per decoder layer, the
+after creation. It exercises fully_shard wrapping per decoder layer, the
 class swap, training, evaluation, cross-rank metrics and saving; not a supported setup.
 Usage: torchrun --nproc_per_node 2 tests/distributed/fsdp2_cpu.py OUTPUT_ROOT
 """
