@@ -373,3 +373,23 @@ def test_under_torchrun_one_rank_prints_the_error(base, tmp_path):
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "error: recipe field max_steps" in line]
     assert lines == ["error: recipe field max_steps: 'four' is not an int"]
+
+
+@pytest.mark.parametrize(("rank", "silent", "waits"), [("0", False, False), ("1", True, True)])
+def test_a_silent_rank_gives_rank_zero_time_to_print_before_exiting(rank, silent, waits, monkeypatch, capsys):
+    """The launcher stops the job when the first rank exits: a silent rank must not beat rank 0."""
+    import trainer.cli as cli
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def refused(argv):
+        raise ValueError("recipe field max_steps: 'four' is not an int")
+
+    with pytest.raises(SystemExit) as stopped:
+        run(refused, [])
+    assert stopped.value.code == 2
+    assert (capsys.readouterr().err == "") is silent
+    assert slept == ([cli.SILENT_RANK_GRACE_SECONDS] if waits else [])

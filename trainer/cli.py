@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -20,6 +21,7 @@ from trainer.preemption import TrainingInterrupted
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
+SILENT_RANK_GRACE_SECONDS = 5.0
 # ValueError covers refused recipes, export rules and Hub id validation; OSError covers missing
 # files, full disks and Hub HTTP/connection errors; YAMLError a recipe that is not YAML;
 # FloatingPointError a diverged run (the step is named).
@@ -54,6 +56,10 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
         if debug:
             raise
         say(f"error: {describe(error)}")
+        if not is_rank_zero() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # every rank runs the same checks; the launcher tears the job down when the first rank
+            # exits, so the silent ranks give rank 0 a moment to print the message first
+            time.sleep(SILENT_RANK_GRACE_SECONDS)
         sys.exit(USER_ERROR_STATUS)
     sys.exit(0)
 
