@@ -7,9 +7,12 @@ from .modeling_dflash2 import (
     DFlash2DraftModel,
     DFlash2GroupedDynamicConv,
     DFlashDraftModel,
+    SamplingSettings,
+    SpeculativeOutput,
     block_visibility,
     grouped_dynamic_causal_conv,
     join_lattices,
+    speculative_generate,
     unary_transform,
 )
 
@@ -21,9 +24,12 @@ __all__ = [
     "DFlash2GroupedDynamicConv",
     "DFlashDraftModel",
     "DFlashSettings",
+    "SamplingSettings",
+    "SpeculativeOutput",
     "block_visibility",
     "grouped_dynamic_causal_conv",
     "join_lattices",
     "resolve_dflash_settings",
+    "speculative_generate",
     "unary_transform",
 ]

@@ -23,7 +23,6 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.test_speculative import OracleProposals
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer import speculative
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 from trainer.masks import attention_masks
 from trainer.objective import ObjectiveConfig, embed_draft_ids
@@ -336,20 +335,12 @@ def test_greedy_speculative_decoding_on_cuda_equals_target_greedy(cuda_pair, use
         assert all(1 <= n <= draft.block_size for n in result.acceptance_lengths)
 
 
-class DeviceOracle(OracleProposals):
-    """The CPU test's oracle (true continuation, one wrong slot), proposing on the draft's device."""
-
-    def __call__(self, draft, hidden, anchor, head, temperature, use_selector, generator):
-        proposal = super().__call__(draft, hidden, anchor, head, temperature, use_selector, generator)
-        return speculative._Proposal(proposal.tokens.to(hidden.device), None, None)
-
-
 def test_partial_acceptance_on_cuda_keeps_caches_exact(cuda_pair, monkeypatch):
     """Every step accepts exactly two proposals, so cache cropping runs at every step."""
     target, draft = cuda_pair
     prompt = PROMPTS[0]
     greedy = target_generate(target, torch.tensor([prompt]), 40).tokens
-    monkeypatch.setattr(speculative, "_propose", DeviceOracle(greedy, wrong=2))
+    monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy, wrong=2))  # proposes on hidden.device
     result = spec_generate(target, draft, torch.tensor([prompt]), 25)
     assert result.tokens == greedy[:25]
     assert result.acceptance_lengths[:-1] == [3] * (len(result.acceptance_lengths) - 1)

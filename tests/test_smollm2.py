@@ -117,7 +117,6 @@ def test_a_few_training_steps_lower_the_loss(smollm2, draft_config, tmp_path):
 
 def test_greedy_speculative_decoding_is_lossless_on_smollm2(smollm2, draft_config, monkeypatch):
     from tests.test_speculative import OracleProposals
-    from trainer import speculative
     from trainer.speculative import spec_generate
 
     torch.manual_seed(0)
@@ -131,6 +130,6 @@ def test_greedy_speculative_decoding_is_lossless_on_smollm2(smollm2, draft_confi
         greedy = reference[0, len(prompt) :].tolist()
         assert spec_generate(model, draft, torch.tensor([prompt]), 16).tokens == greedy
     # partial acceptance through the real model's caches: every step accepts exactly 3 proposals
-    monkeypatch.setattr(speculative, "_propose", OracleProposals(greedy + [0] * 16, 3))
+    monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy + [0] * 16, 3))
     result = spec_generate(model, draft, torch.tensor([prompt]), 16)
     assert result.tokens == greedy and result.acceptance_lengths[:3] == [4, 4, 4]

@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling_dflash2 import DFlash2DraftModel
+from modeling_dflash2.modeling_dflash2 import BlockProposals
 from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer import speculative
 from trainer.speculative import spec_generate, target_generate
 
 PROMPTS = [[1, 9, 14, 22, 7], [1, 30, 31], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 40]]
@@ -46,20 +46,21 @@ def test_greedy_speculative_output_equals_target_greedy_generate(pair, use_selec
 
 class OracleProposals:
     """Proposes the target's true greedy continuation except at slot `wrong`, so every step must
-    accept exactly `wrong` proposals and add the target's token."""
+    accept exactly `wrong` proposals and add the target's token. Installed as the draft's
+    `block_proposals`, so the draft's forward and caches still run."""
 
     def __init__(self, greedy, wrong):
         self.greedy, self.wrong, self.anchor_index = greedy, wrong, 0
 
-    def __call__(self, draft, hidden, anchor, head, temperature, use_selector, generator):
+    def __call__(self, hidden, anchor, head, sampling, use_selector, generator):
         assert int(anchor) == self.greedy[self.anchor_index]
-        upcoming = self.greedy[self.anchor_index + 1 : self.anchor_index + draft.block_size]
-        upcoming = upcoming + [0] * (draft.block_size - 1 - len(upcoming))
-        tokens = torch.tensor(upcoming)
+        slots = hidden.shape[1]
+        upcoming = self.greedy[self.anchor_index + 1 : self.anchor_index + 1 + slots]
+        tokens = torch.tensor(upcoming + [0] * (slots - len(upcoming)), device=hidden.device)
         if self.wrong < len(tokens):
-            tokens[self.wrong] = (tokens[self.wrong] + 1) % draft.config.vocab_size
+            tokens[self.wrong] = (tokens[self.wrong] + 1) % head.weight.shape[0]
         self.anchor_index += self.wrong + 1
-        return speculative._Proposal(tokens, None, None)
+        return BlockProposals(tokens[None])
 
 
 @pytest.mark.parametrize("wrong", [0, 1, 2, 3])
@@ -67,7 +68,7 @@ def test_partial_acceptance_keeps_caches_and_context_exact(pair, monkeypatch, wr
     target, draft = pair
     prompt = PROMPTS[0]
     greedy = greedy_reference(target, prompt, 40)
-    monkeypatch.setattr(speculative, "_propose", OracleProposals(greedy, wrong))
+    monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy, wrong))
     result = spec_generate(target, draft, torch.tensor([prompt]), 25)
     assert result.tokens == greedy[:25]
     per_step = wrong + 1  # accepted proposals + the target's token (all 3 accepted when wrong == 3)
