@@ -243,9 +243,14 @@ def test_compute_logits_without_transform_is_raw_head():
 def test_input_validation_errors():
     model = tiny_draft(seed=10).eval()
     inputs = draft_inputs(model.config, batch=1, context=4)
-    with pytest.raises(ValueError, match="not a multiple of the block size 4"):
+    two_blocks = draft_inputs(model.config, batch=1, context=4, blocks=2)
+    with pytest.raises(ValueError, match="not a multiple of the block size 4"):  # 1.5 blocks
         model(
-            **dict(inputs, noise_embedding=inputs["noise_embedding"][:, :3], position_ids=inputs["position_ids"][:, :7])
+            **dict(
+                two_blocks,
+                noise_embedding=two_blocks["noise_embedding"][:, :6],
+                position_ids=two_blocks["position_ids"][:, :10],
+            )
         )
     with pytest.raises(ValueError, match="target_hidden has width 32, expected 64"):
         model(**dict(inputs, target_hidden=inputs["target_hidden"][..., :32]))
