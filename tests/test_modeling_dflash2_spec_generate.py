@@ -87,6 +87,42 @@ def test_greedy_returns_the_targets_generate_ids_at_any_length(pair, new_tokens)
         assert torch.equal(out, generate_greedy(target, prompt, new_tokens))
 
 
+def test_greedy_is_lossless_on_a_sliding_window_target():
+    """The target's cache has sliding-window layers (window 5, shorter than the prompts): cutting
+    it back after a rejected tail must still leave exactly the verified prefix."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.tiny_target import tiny_tokenizer
+    from trainer.target import FrozenTarget
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+        use_sliding_window=True,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(1)
+    target = Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(20)
+    draft = randomize(DFlash2DraftModel(tiny_draft_config_for(FrozenTarget(target, tokenizer))), seed=2, scale=0.2)
+    for prompt in ([1, 9, 14, 22, 7, 5, 6, 8, 9, 10], [1, 30, 31]):
+        for new_tokens in (7, 25):
+            out = draft.spec_generate(target, torch.tensor([prompt]), new_tokens, None)
+            assert torch.equal(out, generate_greedy(target, prompt, new_tokens))
+
+
 def test_dflash_v1_draft_has_the_same_method(pair):
     target, draft = pair
     v1 = v1_draft_for(draft)
