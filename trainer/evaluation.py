@@ -2,7 +2,8 @@
 
 A path is a draft plus a proposal mode (`selector`: the DFlash2 selector walk; `unary`: the unary
 argmax / sample). Every path decodes the same prompts as the target alone; at temperature 0 the
-report also says whether every path reproduced the target's tokens exactly (`lossless`).
+report also says whether every path reproduced the target's tokens exactly (`lossless`). A report
+renders as JSON, a PNG and one Markdown table (`render_markdown`, also what the model card embeds).
 """
 
 from __future__ import annotations
@@ -50,13 +51,17 @@ def evaluate_paths(
     paths: Sequence[str] = ("selector", "unary"),
     seed: int = 0,
     skip_selector_for: Sequence[str] = (),
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> dict[str, Any]:
     """Decode `prompts` with the target alone and with each draft along each path (drafts named in
     `skip_selector_for`, e.g. an untrained one whose selector is an exact no-op, run unary only)."""
     device = target.get_input_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     baseline = [
-        target_generate(target, torch.tensor([p]), max_new_tokens, temperature, stop_token_ids, generator)
+        target_generate(
+            target, torch.tensor([p]), max_new_tokens, temperature, stop_token_ids, generator, top_p=top_p, top_k=top_k
+        )
         for p in prompts
     ]
     target_speed = summarize(baseline, 2)["tokens_per_second"]
@@ -64,6 +69,8 @@ def evaluate_paths(
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
         "target_tokens_per_second": target_speed,
         "paths": {},
     }
@@ -83,6 +90,8 @@ def evaluate_paths(
                     stop_token_ids,
                     use_selector=path == "selector",
                     generator=generator,
+                    top_p=top_p,
+                    top_k=top_k,
                 )
                 for p in prompts
             ]
@@ -102,7 +111,8 @@ def evaluate_paths(
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
-    """Two panels: τ histogram and per-position acceptance, one series per path."""
+    """Two panels: τ histogram and per-position acceptance, one series per path, titled with the
+    benchmark."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,9 +132,72 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
+    figure.suptitle(f"{report_benchmark(report)}: {report['prompts']} prompts", fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def report_benchmark(report: dict[str, Any]) -> str:
+    """The benchmark a report was measured on; reports written before benchmarks existed were
+    always on the held-out chitchat prompts."""
+    return report.get("benchmark", "heldout")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as compact Markdown: a settings line, then mean τ / tokens/s / speed-up per path
+    (the target alone first), the τ histogram and per-position acceptance. evaluate.py writes it
+    next to the JSON and the model card embeds it unchanged, so the two never disagree."""
+    paths = report.get("paths", {})
+    sections = [_settings_line(report), _speed_table(report)]
+    if paths:
+        histograms = {name: _shares(summary["tau_histogram"]) for name, summary in paths.items()}
+        acceptance = {name: summary["per_position_acceptance"] for name, summary in paths.items()}
+        sections.append(_per_path_table("τ histogram (share of steps)", histograms))
+        sections.append(_per_path_table("acceptance at draft position", acceptance))
+    return "\n\n".join(sections) + "\n"
+
+
+def _settings_line(report: dict[str, Any]) -> str:
+    skipped = report.get("skipped_for_length")
+    prompts = f"{report['prompts']} prompts" + (f" ({skipped} skipped for length)" if skipped is not None else "")
+    line = (
+        f"**{report_benchmark(report)}**: {prompts}, up to {report['max_new_tokens']} new tokens, "
+        f"temperature {report['temperature']:g}, top-p {report.get('top_p', 1.0):g}, top-k {report.get('top_k', 0)}"
+    )
+    if "lossless" in report:
+        line += f"; every path reproduced the target's tokens: {'yes' if report['lossless'] else 'no'}"
+    return line + "."
+
+
+def _speed_table(report: dict[str, Any]) -> str:
+    rows = ["| path | mean τ | tokens/s | speed-up |", "|---|---:|---:|---:|"]
+    if "target_tokens_per_second" in report:
+        rows.append(f"| target alone | 1.000 | {report['target_tokens_per_second']:.1f} | 1.00× |")
+    for name, summary in report.get("paths", {}).items():
+        rows.append(
+            f"| {name} | {summary['mean_tau']:.3f} | {summary['tokens_per_second']:.1f} | "
+            f"{summary.get('speedup', float('nan')):.2f}× |"
+        )
+    return "\n".join(rows)
+
+
+def _shares(histogram: Sequence[int]) -> list[float]:
+    total = max(sum(histogram), 1)
+    return [count / total for count in histogram]
+
+
+def _per_path_table(title: str, rows: dict[str, Sequence[float]]) -> str:
+    """One row per path, one column per k = 1..; shorter rows (a smaller block) end in blank cells."""
+    width = max(len(values) for values in rows.values())
+    lines = [
+        f"| {title} | " + " | ".join(str(k) for k in range(1, width + 1)) + " |",
+        "|---|" + "---:|" * width,
+    ]
+    for name, values in rows.items():
+        cells = [f"{value:.2f}" for value in values] + [""] * (width - len(values))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def prompt_ids(sample: dict[str, Any]) -> list[int]:

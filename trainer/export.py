@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -423,6 +424,24 @@ def _check_round_trip(directory: Path, model: DFlash2DraftModel, dtype: torch.dt
         raise ExportValidationError("rule 20: the reloaded export does not reproduce the draft's logits")
 
 
+def reports_by_benchmark(
+    reports: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+) -> dict[str, dict[str, Any]]:
+    """Speculative-decoding reports keyed by benchmark, in the given order; a report from before
+    benchmarks existed counts as `heldout`. Two reports on one benchmark are refused: the card
+    could show only one of them."""
+    from trainer.evaluation import report_benchmark
+
+    listed = [reports] if isinstance(reports, Mapping) else list(reports or [])
+    keyed: dict[str, dict[str, Any]] = {}
+    for report in listed:
+        benchmark = report_benchmark(report)
+        if benchmark in keyed:
+            raise ValueError(f"two evaluation reports are for benchmark {benchmark!r}; give one per benchmark")
+        keyed[benchmark] = dict(report)
+    return keyed
+
+
 def export_draft(
     model: DFlash2DraftModel,
     output_dir: str | os.PathLike,
@@ -434,13 +453,16 @@ def export_draft(
     source: str | os.PathLike | None = None,
     license: str = "apache-2.0",
     record: dict[str, Any] | None = None,
-    evaluation_report: dict[str, Any] | None = None,
+    evaluation_report: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
 ) -> Path:
     """Validate, write, reload-check, then atomically place a publishable draft folder.
 
     `overwrite` replaces only an earlier export, never the `source` checkpoint, a folder holding
-    it or a folder inside it."""
+    it or a folder inside it. `evaluation_report`: one report of examples/evaluate.py, or one per
+    benchmark; the card shows each under its benchmark's heading."""
     from trainer.model_card import render_model_card, save_acceptance_plot
+
+    reports = reports_by_benchmark(evaluation_report)
 
     output_dir = Path(output_dir)
     check_export_output(output_dir, overwrite, source)
@@ -461,8 +483,8 @@ def export_draft(
         "versions": _versions(),
         **record,
     }
-    if evaluation_report:
-        provenance["speculative_evaluation"] = evaluation_report
+    if reports:
+        provenance["speculative_evaluation"] = reports
 
     def write(directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -471,10 +493,9 @@ def export_draft(
         for filename in REMOTE_CODE_FILES:
             shutil.copyfile(package / filename, directory / filename)
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
-        plot = save_acceptance_plot(directory / PLOT_FILE, record.get("evaluation"), evaluation_report)
-        card = render_model_card(
-            config, target, record, evaluation_report, plot_file=PLOT_FILE if plot else None, license=license
-        )
+        plot = save_acceptance_plot(directory / PLOT_FILE, record.get("evaluation"), reports)
+        plot_file = PLOT_FILE if plot else None
+        card = render_model_card(config, target, record, reports, plot_file=plot_file, license=license)
         card.save(directory / "README.md")
         _check_round_trip(directory, model, dtype)
 

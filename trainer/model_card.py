@@ -7,6 +7,9 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from trainer.evaluation import render_markdown
+
+Reports = dict[str, dict[str, Any]]  # speculative-decoding reports keyed by benchmark
 TAGS = ["speculative-decoding", "dflash", "dflash2", "draft-model", "block-diffusion"]
 EVAL_ROWS = (
     ("eval_tau_walk", "τ, selector walk (teacher-forced acceptance length; what serving proposes)"),
@@ -19,8 +22,9 @@ EVAL_ROWS = (
 )
 
 
-def per_position_series(evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> dict[str, list[float]]:
-    """Curves to plot: teacher-forced per-position accuracy, and real acceptance when measured."""
+def per_position_series(evaluation: dict[str, Any] | None, reports: Reports) -> dict[str, list[float]]:
+    """Curves to plot: teacher-forced per-position accuracy, and the real acceptance of every path
+    of every benchmark measured (labelled `benchmark: path`)."""
     series: dict[str, list[float]] = {}
     if evaluation:
         positions = sorted(
@@ -28,15 +32,16 @@ def per_position_series(evaluation: dict[str, Any] | None, report: dict[str, Any
         )
         if positions:
             series["teacher-forced accuracy"] = [evaluation[f"eval_accuracy_position_{k}"] for k in positions]
-    for path, result in (report or {}).get("paths", {}).items():
-        if result.get("per_position_acceptance"):
-            series[f"speculative decoding, {path}"] = result["per_position_acceptance"]
+    for benchmark, report in reports.items():
+        for path, result in report.get("paths", {}).items():
+            if result.get("per_position_acceptance"):
+                series[f"{benchmark}: {path}"] = result["per_position_acceptance"]
     return series
 
 
-def save_acceptance_plot(path: Path, evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> bool:
+def save_acceptance_plot(path: Path, evaluation: dict[str, Any] | None, reports: Reports) -> bool:
     """Write the per-position plot PNG; False when there is nothing measured to plot."""
-    series = per_position_series(evaluation, report)
+    series = per_position_series(evaluation, reports)
     if not series:
         return False
     import matplotlib
@@ -59,31 +64,29 @@ def save_acceptance_plot(path: Path, evaluation: dict[str, Any] | None, report: 
     return True
 
 
-def _evaluation_table(evaluation: dict[str, Any] | None, report: dict[str, Any] | None) -> str:
-    lines = []
+def _evaluation_table(evaluation: dict[str, Any] | None, reports: Reports) -> str:
+    """The teacher-forced metrics of training, then one section per benchmark decoded for real."""
+    sections = []
     if evaluation:
-        lines += ["| held-out metric (teacher-forced) | value |", "|---|---|"]
+        lines = ["| held-out metric (teacher-forced) | value |", "|---|---|"]
         lines += [f"| {label} | {evaluation[key]:.4f} |" for key, label in EVAL_ROWS if key in evaluation]
-    if report and report.get("paths"):
-        lines += ["", "| speculative decoding with the target | mean τ | tokens/s | speed-up |", "|---|---|---|---|"]
-        for name, result in report["paths"].items():
-            lines.append(
-                f"| {name} | {result.get('mean_tau', float('nan')):.3f} | "
-                f"{result.get('tokens_per_second', float('nan')):.1f} | {result.get('speedup', float('nan')):.2f}× |"
-            )
-        if "target_tokens_per_second" in report:
-            lines.append(f"| target alone | 1.000 | {report['target_tokens_per_second']:.1f} | 1.00× |")
-    return "\n".join(lines) if lines else "No evaluation was recorded with this checkpoint."
+        sections.append("\n".join(lines))
+    for benchmark, report in reports.items():
+        if report.get("paths"):
+            sections.append(f"### Speculative decoding: {benchmark}\n\n{render_markdown(report).strip()}")
+    return "\n\n".join(sections) if sections else "No evaluation was recorded with this checkpoint."
 
 
 def render_model_card(
     config: dict[str, Any],
     target: Any,
     record: dict[str, Any],
-    report: dict[str, Any] | None,
+    reports: Reports,
     plot_file: str | None,
     license: str = "apache-2.0",
 ) -> ModelCard:
+    """The card: metadata, serving commands, training summary and every evaluation (`reports`:
+    speculative-decoding reports keyed by benchmark, in the order they were given)."""
     dfc = config["dflash_config"]
     block = dfc["block_size"]
     base = target.name if target is not None else None
@@ -128,14 +131,28 @@ python -m sglang.launch_server --model-path {base or "<target>"} --speculative-a
 
 Serve with the trained block size ({block}); a DFlash2 draft must not draft fewer tokens.
 
-## Loading with transformers
+## Speculative decoding in plain transformers
+
+The folder carries its decoding loop (`spec_generate`, z-lab's call), so nothing else is needed:
 
 ```python
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True)
-assert type(draft).__name__ == "DFlash2DraftModel"  # without trust_remote_code you get a random Qwen3Model
+draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True, dtype="auto").eval()
+target = AutoModelForCausalLM.from_pretrained("{base or "<target>"}", dtype="auto").eval()
+tokenizer = AutoTokenizer.from_pretrained("{base or "<target>"}")
+messages = [{{"role": "user", "content": "Hello!"}}]
+input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+    "input_ids"
+]
+output_ids = draft.spec_generate(
+    target=target, input_ids=input_ids, max_new_tokens=256, stop_token_ids=[tokenizer.eos_token_id], temperature=0.0
+)
 ```
+
+It returns the ids `[1, prompt + generated]`; greedy output equals the target's own greedy output,
+and `temperature`/`top_p`/`top_k` sample from the target's distribution. Without
+`trust_remote_code=True`, AutoModel builds a random Qwen3Model instead.
 
 ## Training
 
@@ -146,7 +163,7 @@ The full recipe and library versions are in `dflash2_provenance.json`.
 
 ## Evaluation
 
-{_evaluation_table(record.get("evaluation"), report)}
+{_evaluation_table(record.get("evaluation"), reports)}
 {plot}
 τ is the mean acceptance length per block including the target's bonus token.
 """
