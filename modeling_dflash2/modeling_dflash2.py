@@ -1264,13 +1264,16 @@ def speculative_generate(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens}).")
-    block_size = draft.block_size if block_size is None else block_size
+    if block_size is None:
+        block_size = draft.block_size if draft is not None else 1
     if (draft is None and block_size != 1) or (draft is not None and not 1 <= block_size <= draft.block_size):
         raise ValueError(f"block_size {block_size} needs a draft of at least that block size (1 = target alone).")
     device = target.get_input_embeddings().weight.device
     prompt_length = input_ids.shape[1]
     max_length = prompt_length + max_new_tokens
-    output_ids = torch.full((1, max_length + 1), draft.mask_token_id if draft else 0, dtype=torch.long, device=device)
+    output_ids = torch.full(
+        (1, max_length + 1), draft.mask_token_id if draft is not None else 0, dtype=torch.long, device=device
+    )
     output_ids[:, :prompt_length] = input_ids
     positions = torch.arange(max_length + 1, device=device)[None]
     stops = torch.tensor(sorted(set(stop_token_ids or ())), dtype=torch.long, device=device)
