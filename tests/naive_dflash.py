@@ -1,6 +1,6 @@
 """A deliberately naive second implementation of the draft forward, for equality tests.
 
-Loops over positions, taps, heads and keys, float64 throughout, written from docs/checkpoint-contract.md
+Loops over positions, taps, heads and keys, float64 throughout, written from docs/contract.md
 rather than from the model code: RoPE by explicit angle pairs, the conv by its defining sum,
 attention by an explicit softmax over the visible keys.
 """
@@ -125,7 +125,7 @@ def forward(model, position_ids: torch.Tensor, noise: torch.Tensor, target_hidde
 
 
 def serving_visibility(model) -> Visible:
-    """docs/checkpoint-contract.md's visibility by positions: causal -> k <= q; sliding -> |q - k| < W
+    """docs/contract.md's visibility by positions: causal -> k <= q; sliding -> |q - k| < W
     (one-sided if causal)."""
 
     def visible(layer_idx: int, query_position: int, key_position: int) -> bool:

@@ -1,4 +1,4 @@
-"""Anchors and block inputs (docs/training-objective.md, Anchors and Blocks)."""
+"""Anchors and block inputs (docs/objective.md §2 Anchors and §3 Blocks)."""
 
 from __future__ import annotations
 

@@ -155,9 +155,11 @@ def saved(tiny, tmp_path_factory):
 
 
 def _files_agree(output):
-    saved = json.loads((output / "speculative_report.json").read_text())
-    assert (output / "speculative_report.md").read_text() == render_markdown(saved)
-    assert (output / "speculative_report.png").read_bytes()[:4] == b"\x89PNG"
+    from examples.evaluate import report_file
+
+    saved = json.loads(report_file(output, "json").read_text())
+    assert report_file(output, "md").read_text() == render_markdown(saved)
+    assert report_file(output, "png").read_bytes()[:4] == b"\x89PNG"
     return saved
 
 

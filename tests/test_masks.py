@@ -13,7 +13,7 @@ from trainer.masks import attention_masks, block_visible, dense_block_mask, flex
 
 
 def reference_visible(batch, query, key, anchors, keep, context, block, causal, window) -> bool:
-    """The visibility rule of docs/training-objective.md read literally, one (query, key) pair at a time."""
+    """The visibility rule of docs/objective.md §4 read literally, one (query, key) pair at a time."""
     n, offset = divmod(query, block)
     anchor = int(anchors[batch][n])
     if not keep[batch][n]:

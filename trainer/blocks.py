@@ -1,6 +1,6 @@
 """Anchors and block inputs: what each of the N draft blocks of a row sees and predicts.
 
-docs/training-objective.md. Position `a` is a valid anchor iff `loss_mask[a]` and `loss_mask[a + 1]` (the
+docs/objective.md §2-3. Position `a` is a valid anchor iff `loss_mask[a]` and `loss_mask[a + 1]` (the
 clean token and the first target are both supervised). Every row gets exactly N block slots; slots
 beyond the valid count are dummy blocks (`keep` False) that carry no loss. Block n occupies
 `[n * B, (n + 1) * B)` of the packed draft sequence; its slot k sits at position `a_n + k` and
@@ -137,7 +137,7 @@ def build_blocks(
     block_size: int,
     mask_token_id: int,
 ) -> BlockBatch:
-    """Draft ids, positions, labels and weights for anchors [b, N] (docs/training-objective.md)."""
+    """Draft ids, positions, labels and weights for anchors [b, N] (docs/objective.md §3)."""
     batch, length = input_ids.shape
     num_blocks = anchors.shape[1]
     offsets = torch.arange(block_size, device=input_ids.device)

@@ -1,7 +1,7 @@
-"""Export a trained draft to a publishable folder in the public DFlash2 layout (docs/checkpoint-contract.md).
+"""Export a trained draft to a publishable folder in the public DFlash2 layout (docs/contract.md).
 
 SGLang silently ignores unknown tensors and vLLM rejects extra ones, so this exporter is the only
-place the checkpoint contract is enforced: every rule of docs/checkpoint-contract.md is checked before anything
+place the checkpoint contract is enforced: every rule of docs/contract.md is checked before anything
 is written, the folder is written to a temporary sibling, reloaded strictly and compared against
 the in-memory draft (rule 20), and only then renamed into place.
 """
@@ -51,7 +51,7 @@ SECRET_KEYS = ("hub_token", "push_to_hub_token", "token", "hf_token")
 
 
 class ExportValidationError(ValueError):
-    """Raised with every broken contract rule, each named by its number in docs/checkpoint-contract.md."""
+    """Raised with every broken contract rule, each named by its number in docs/contract.md."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def served_is_causal(config: DFlash2Config) -> bool:
 
 
 def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json exactly as the servers read it (docs/checkpoint-contract.md)."""
+    """config.json exactly as the servers read it (docs/contract.md)."""
     settings = config.dflash_settings
     public = {
         key: value
@@ -146,12 +146,12 @@ def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation: every rule of docs/checkpoint-contract.md, before anything is written
+# Validation: every rule of docs/contract.md, before anything is written
 # ---------------------------------------------------------------------------------------------
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a public config (docs/checkpoint-contract.md, Tensors)."""
+    """Tensor name -> shape from a public config (docs/contract.md, Tensors)."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -201,7 +201,7 @@ def contract_violations(
     dtype: torch.dtype = torch.bfloat16,
     expected_block_size: int | None = None,
 ) -> list[str]:
-    """Every broken rule of docs/checkpoint-contract.md, as 'rule N: ...' strings (empty when all hold)."""
+    """Every broken rule of docs/contract.md, as 'rule N: ...' strings (empty when all hold)."""
     failures = config_violations(config, target, expected_block_size)
     if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
         return failures  # the tensor rules need the fields these rules check

@@ -1,4 +1,4 @@
-"""Attention visibility of packed draft blocks, from one element-wise rule (docs/training-objective.md).
+"""Attention visibility of packed draft blocks, from one element-wise rule (docs/objective.md §4).
 
 Keys are `[context (S); draft (N*B)]`. Query slot q belongs to block n = q // B at offset o = q % B:
 - context key j is visible iff j < a_n (strictly before the anchor: the anchor's own target hidden
@@ -53,7 +53,7 @@ def block_visible(
 
 
 def layer_visibility(settings: DFlashSettings) -> dict[str, tuple[bool, int | None]]:
-    """(causal, sliding window) for each layer type the draft uses (docs/checkpoint-contract.md)."""
+    """(causal, sliding window) for each layer type the draft uses (docs/contract.md)."""
     rules = {}
     for index, layer_type in enumerate(settings.layer_types):
         rules[layer_type] = (settings.layer_is_causal(index), settings.layer_sliding_window(index))

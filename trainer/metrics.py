@@ -1,4 +1,4 @@
-"""Training metrics as additive (numerator, denominator) pairs (docs/training-objective.md, Metrics).
+"""Training metrics as additive (numerator, denominator) pairs (docs/objective.md §9, Metrics).
 
 Pairs add across chunks, micro-batches and ranks; a ratio is taken only at the end, so pooled
 numbers are exact however the work was split. Acceptance lengths use the strict convention: the

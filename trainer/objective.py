@@ -1,4 +1,4 @@
-"""The DFlash / DFlash2 training objective (docs/training-objective.md).
+"""The DFlash / DFlash2 training objective (docs/objective.md).
 
 Base loss: cross-entropy on the served unary logits `softcap(m * z)` with position weights
 (gamma decay `exp(-(k-1)/gamma)`, or D-PACE), in numerator and denominator. DFlash2 adds the
