@@ -271,6 +271,10 @@ def test_a_config_breaking_the_contract_is_not_written(tmp_path):
             ]
         )
     assert not output.exists()
+    with pytest.raises(ValueError, match="--target-layer-ids must be comma-separated integers, got '1,x'"):
+        main([target, *LAYERS_AND_BLOCK, "--mask-token-id", "1", "--target-layer-ids", "1,x", "--output", str(output)])
+    with pytest.raises(ValueError, match="target_layer_ids"):  # rule 10: layer 36 of a 36-layer target
+        main([target, *LAYERS_AND_BLOCK, "--mask-token-id", "1", "--target-layer-ids", "1,36", "--output", str(output)])
     with pytest.raises(ValueError, match="conv_group_size"):
         main([target, *LAYERS_AND_BLOCK, "--mask-token-id", "1", "--conv-group-size", "3", "--output", str(output)])
     assert not output.exists()

@@ -381,6 +381,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_layer_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--target-layer-ids must be comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -403,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         if value is not None
     }
-    layer_ids = [int(part) for part in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    layer_ids = parse_layer_ids(args.target_layer_ids) if args.target_layer_ids else None
     plan = draft_config(
         text_config, args.num_draft_layers, args.block_size, mask, sizes, layer_ids, args.sliding_window
     )
