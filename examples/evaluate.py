@@ -28,7 +28,7 @@ from modeling_dflash2 import DFlash2DraftModel
 from trainer.cli import run
 from trainer.data import end_of_turn_ids
 from trainer.evaluation import evaluate_paths, plot_report, render_markdown
-from trainer.fileio import write_text_atomically
+from trainer.fileio import write_file_atomically
 from trainer.loading import load_draft
 from trainer.prompt_sets import (
     BENCHMARKS,
@@ -129,9 +129,11 @@ def report_file(output: Path, kind: str) -> Path:
 def write_report(report: dict[str, Any], output: Path) -> None:
     """The report as JSON (for export), PNG (the curves) and Markdown (the table)."""
     output.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(report_file(output, "json"), json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    write_file_atomically(report_file(output, "json"), lambda temporary: temporary.write_text(text))
     plot_report(report, report_file(output, "png"))
-    write_text_atomically(report_file(output, "md"), render_markdown(report))
+    markdown = render_markdown(report)
+    write_file_atomically(report_file(output, "md"), lambda temporary: temporary.write_text(markdown))
 
 
 def print_report(report: dict[str, Any], output: Path) -> None:

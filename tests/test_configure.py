@@ -21,8 +21,9 @@ from tests.tiny_target import tiny_tokenizer
 from trainer import configure
 from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.configure import choose_mask_token, load_target_config, main, target_layer_ids
+from trainer.configure import choose_mask_token, main, target_layer_ids
 from trainer.export import TargetDimensions, config_violations
+from trainer.target import TargetSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "target_configs"
 HUB_CONFIGS = Path(__file__).resolve().parents[1] / "hub_configs"
@@ -44,7 +45,7 @@ def generate(tmp_path: Path, target: str, *args: str) -> dict:
 
 def assert_valid(config: dict, target: str) -> None:
     DFlash2Config(**config).dflash_settings  # noqa: B018
-    text_config = load_target_config(target)[0]
+    text_config = TargetSource.parse(target).text_config()
     dimensions = TargetDimensions(
         target, text_config.hidden_size, text_config.vocab_size, text_config.num_hidden_layers
     )

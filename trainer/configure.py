@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from modeling_dflash2 import DFlash2Config
 from trainer.export import TargetDimensions, config_violations
-from trainer.fileio import write_text_atomically
+from trainer.fileio import write_file_atomically
 from trainer.target import TargetSource
 
 logger = logging.getLogger(__name__)
@@ -276,18 +276,11 @@ def check_draft_config(config: dict[str, Any], text_config: PretrainedConfig, na
         raise ValueError("the generated config breaks the contract: " + "; ".join(failures))
 
 
-def load_target_config(target: str, gguf_file: str | None = None) -> tuple[PretrainedConfig, str, dict[str, Any]]:
-    """(text config, the path it came from, loading kwargs) of a Hub id, directory, GGUF or pypi:<dist>."""
-    source = TargetSource.parse(target, gguf_file)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
-    return config.get_text_config(), source.name_or_path, kwargs
-
-
-def load_tokenizer(path: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBase:
-    if Path(path).is_dir() and not any(Path(path).glob("tokenizer*")) and "gguf_file" not in kwargs:
+def load_tokenizer(source: TargetSource) -> PreTrainedTokenizerBase:
+    path = Path(source.name_or_path)
+    if path.is_dir() and not any(path.glob("tokenizer*")) and not source.gguf_file:
         raise ValueError(f"{path} holds no tokenizer to choose a mask token from; pass --mask-token-id")
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    return AutoTokenizer.from_pretrained(source.name_or_path, **source.load_kwargs)
 
 
 def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | None = None) -> str:
@@ -381,6 +374,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomically(path, lambda temporary: temporary.write_text(text))
+
+
 def parse_layer_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
@@ -395,11 +393,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in outputs:
         if path.exists() and not args.overwrite:
             raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
-    text_config, path, kwargs = load_target_config(args.target, args.target_gguf_file)
+    source = TargetSource.parse(args.target, args.target_gguf_file)
+    text_config = source.text_config()
     if args.mask_token_id is not None:
         mask = Choice(args.mask_token_id, "given with --mask-token-id")
     else:
-        mask = choose_mask_token(load_tokenizer(path, kwargs), text_config.vocab_size)
+        mask = choose_mask_token(load_tokenizer(source), text_config.vocab_size)
     sizes = {
         key: value
         for key, value in (
@@ -415,13 +414,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text_config, args.num_draft_layers, args.block_size, mask, sizes, layer_ids, args.sliding_window
     )
     check_draft_config(plan.config, text_config, args.target)
-    write_text_atomically(Path(args.output), json.dumps(plan.config, indent=2) + "\n")
+    write_text(Path(args.output), json.dumps(plan.config, indent=2) + "\n")
     for reason in plan.reasons:
         print(f"  {reason}")
     print(f"wrote {args.output}")
     if args.recipe:
         recipe = starter_recipe(args.target, Path(args.output), args.recipe_size, args.target_gguf_file)
-        write_text_atomically(Path(args.recipe), recipe.replace("{recipe}", args.recipe))
+        write_text(Path(args.recipe), recipe.replace("{recipe}", args.recipe))
         print(f"wrote {args.recipe} ({args.recipe_size})")
     return plan.config
 

