@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from tests.conftest import draft_inputs, load_fixture_json, rewrite_safetensors, tiny_draft, tiny_v1_draft
+from tests.isolation import WITHOUT_THIS_REPO
 
 EXPECTED_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32"}
@@ -204,15 +205,9 @@ def test_v1_checkpoint_into_dflash2_config_starts_as_identity(tmp_path):
         assert torch.equal(tokens, logits[:, 1:4].argmax(-1))
 
 
-REMOTE_SCRIPT = textwrap.dedent(
+REMOTE_SCRIPT = WITHOUT_THIS_REPO + textwrap.dedent(
     """
-    import importlib.util, sys, torch
-    repo = sys.argv[1]
-    sys.path[:] = [p for p in sys.path if p.rstrip("/") != repo]
-    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
-    sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
-    sys.path_importer_cache.clear()
-    assert importlib.util.find_spec("modeling_dflash2") is None, "the repo's package must not be importable"
+    import torch
     from transformers import AutoModel
     model = AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
     assert type(model).__name__ == "DFlash2DraftModel", type(model)

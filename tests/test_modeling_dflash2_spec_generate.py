@@ -21,6 +21,7 @@ from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel, SamplingSettin
 from modeling_dflash2.configuration_dflash2 import DFlash2Config
 from modeling_dflash2.modeling_dflash2 import BlockProposals, rejection_sample
 from tests.conftest import randomize
+from tests.isolation import WITHOUT_THIS_REPO
 from tests.test_speculative import PROMPTS, build_small_vocab_pair, chi_square_p_value
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 
@@ -398,19 +399,6 @@ def test_top_k_top_p_sampling_follows_the_targets_filtered_distribution(draft_ki
 # The README snippet, in a process that cannot import this repository
 # ---------------------------------------------------------------------------------------------
 
-ISOLATION = textwrap.dedent(
-    """
-    import importlib.util, sys
-    repo = sys.argv[1]
-    sys.path[:] = [p for p in sys.path if p.rstrip("/") != repo]
-    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
-    sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
-    sys.path_importer_cache.clear()
-    for name in ("modeling_dflash2", "trainer"):
-        assert importlib.util.find_spec(name) is None, f"{name} must not be importable"
-    """
-)
-
 AFTER_SNIPPET = textwrap.dedent(
     """
     import torch
@@ -451,7 +439,7 @@ def test_readme_snippet_runs_on_a_saved_draft_where_this_repo_cannot_be_imported
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH" and not key.startswith("HF_")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
     result = subprocess.run(
-        [sys.executable, "-c", ISOLATION + snippet + AFTER_SNIPPET, repo, str(tmp_path / "out.pt")],
+        [sys.executable, "-c", WITHOUT_THIS_REPO + snippet + AFTER_SNIPPET, repo, str(tmp_path / "out.pt")],
         cwd=tmp_path,
         env=env,
         capture_output=True,
