@@ -311,20 +311,14 @@ def target_config_for(setup: StepSetup) -> dict[str, Any]:
 def recipe_flags(setup: StepSetup, directory: Path, attention: str) -> list[str]:
     """The benchmark step as a recipe: offline fp32 features (the synthetic batch's), fp32 target
     embedding and head, the step's rows, length, anchors and LM-head chunking."""
-    return [
-        "--target", str(directory / "target"),
-        "--draft_config", str(directory / "draft.json"),
-        "--target_dtype", "float32",
-        "--attn_implementation", attention,
-        "--offline", "true",
-        "--offline_dtype", "float32",
-        "--max_length", str(setup.length),
-        "--per_device_train_batch_size", str(setup.rows),
-        "--num_anchors", str(setup.anchors),
-        "--loss_chunk_blocks", str(setup.chunk_blocks),
-        "--output_dir", str(directory / "output"),
-        "--report_to", "none",
-    ]  # fmt: skip
+    return setups.step_recipe_flags(
+        directory,
+        length=setup.length,
+        rows=setup.rows,
+        anchors=setup.anchors,
+        chunk_blocks=setup.chunk_blocks,
+        attention=attention,
+    )
 
 
 # What the plan counts that the measured allocator peak does not: the target's weights (the step's

@@ -38,6 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from benchmarks.setups import step_recipe_flags
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.arguments import parse_arguments
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
@@ -118,20 +119,14 @@ class CheckShape:
         }
 
     def recipe_flags(self, directory: Path) -> list[str]:
-        flags = [
-            "--target", str(directory / "target"),
-            "--draft_config", str(directory / "draft.json"),
-            "--target_dtype", "float32",
-            "--attn_implementation", "sdpa",
-            "--offline", "false" if self.online else "true",
-            "--offline_dtype", "float32",
-            "--max_length", str(self.length),
-            "--per_device_train_batch_size", str(self.rows),
-            "--num_anchors", str(self.anchors),
-            "--loss_chunk_blocks", str(self.chunk_blocks),
-            "--output_dir", str(directory / "output"),
-            "--report_to", "none",
-        ]  # fmt: skip
+        flags = step_recipe_flags(
+            directory,
+            length=self.length,
+            rows=self.rows,
+            anchors=self.anchors,
+            chunk_blocks=self.chunk_blocks,
+            offline=not self.online,
+        )
         if self.gradient_checkpointing:
             flags += ["--activation_checkpointing", "true"]
         if self.fsdp:

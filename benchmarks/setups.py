@@ -39,6 +39,35 @@ class StepSetup:
         )
 
 
+def step_recipe_flags(
+    directory: Path,
+    *,
+    length: int,
+    rows: int,
+    anchors: int,
+    chunk_blocks: int,
+    attention: str = "sdpa",
+    offline: bool = True,
+) -> list[str]:
+    """A benchmark step as recipe flags: the target and draft config written in `directory`, fp32
+    target and features (offline from disk, or captured online), the step's rows, length, anchors
+    and LM-head chunking."""
+    return [
+        "--target", str(directory / "target"),
+        "--draft_config", str(directory / "draft.json"),
+        "--target_dtype", "float32",
+        "--attn_implementation", attention,
+        "--offline", "true" if offline else "false",
+        "--offline_dtype", "float32",
+        "--max_length", str(length),
+        "--per_device_train_batch_size", str(rows),
+        "--num_anchors", str(anchors),
+        "--loss_chunk_blocks", str(chunk_blocks),
+        "--output_dir", str(directory / "output"),
+        "--report_to", "none",
+    ]  # fmt: skip
+
+
 def smollm2_setup(anchors: int = 16, rows: int = 4) -> StepSetup:
     """The default recipe's step: the SmolLM2-135M draft, batch 4, sequences of 160, 16 anchors."""
     config = DFlash2Config(**json.loads((REPO / "hub_configs" / "smollm2-135m-dflash2.json").read_text()))
