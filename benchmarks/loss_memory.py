@@ -1,11 +1,13 @@
 """Peak memory of the loss head (LM head + losses + backward) as the number of anchors grows,
-chunked (the trainer's objective) against unchunked (full logits, the naive reference).
+chunked (the trainer's objective) against unchunked (full logits, the naive reference), each with
+cross-entropy alone and with distillation from the target (`-kd`: kd_weight 0.5, whose teacher
+logits come from the target's final hidden states over the context).
 
 On CPU each measurement runs in a fresh process: freed heap memory is handed back to the OS
 (`malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), and the peak
 (`VmHWM`) after the loss head minus the resident size before it is the loss head's peak. On CUDA
 it reads the allocator's peak.
-Usage (one measurement): python -m benchmarks.loss_memory SETUP ANCHORS chunked|unchunked [DEVICE]
+Usage (one measurement): python -m benchmarks.loss_memory SETUP ANCHORS MODE [DEVICE], MODE one of MODES
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from trainer.objective import ObjectiveConfig, dflash_loss
 # rarely returns, so RSS would track allocator history rather than live tensors; a fixed threshold
 # keeps every large tensor in its own mapping, returned to the OS when freed.
 MEASURING_ENVIRONMENT = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+MODES = ("chunked", "unchunked", "chunked-kd", "unchunked-kd")
 SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup, "tiny": setups.tiny_setup}
 
 
@@ -56,17 +59,21 @@ def measure(setup_name: str, anchors: int, mode: str, device: str = "cpu") -> di
     blocks = build_blocks(input_ids, loss_mask, *anchor_ids, block, config.mask_token_id)
     head = torch.randn(vocab, hidden, device=device) * 0.02
     hidden_states = torch.randn(1, anchors * block, hidden, device=device, requires_grad=True)
-    objective = ObjectiveConfig(num_anchors=anchors, chunk_blocks=setup.chunk_blocks)
+    distills = mode.endswith("-kd")
+    objective = ObjectiveConfig(
+        num_anchors=anchors, chunk_blocks=setup.chunk_blocks, kd_weight=0.5 if distills else None
+    )
+    target_final_hidden = torch.randn(1, length, hidden, device=device) if distills else None
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
         before = _resident_before_measuring()
-    if mode == "chunked":
-        loss = dflash_loss(draft, hidden_states, blocks, head, objective).loss
+    if mode.startswith("chunked"):
+        loss = dflash_loss(draft, hidden_states, blocks, head, objective, target_final_hidden=target_final_hidden).loss
     else:
-        loss = naive_loss(draft, hidden_states, blocks, head, objective, alpha=1.0)
+        loss = naive_loss(draft, hidden_states, blocks, head, objective, 1.0, target_final_hidden)
     loss.backward()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -81,7 +88,7 @@ def sweep(setup_name: str, anchor_counts, device: str = "cpu") -> list[dict]:
     """Each point in its own process (CPU peak RSS never goes down within a process)."""
     results = []
     for anchors in anchor_counts:
-        for mode in ("chunked", "unchunked"):
+        for mode in MODES:
             if device.startswith("cuda"):
                 results.append(measure(setup_name, anchors, mode, device))
                 continue

@@ -2,7 +2,8 @@
 
 - the convolution runs block by block in a Python loop;
 - the selector scores each scored position in a Python loop;
-- the LM head produces the full, unchunked logits of every draft position, without checkpointing.
+- the LM head produces the full, unchunked logits of every draft position, without checkpointing;
+- distillation forms the target's logits at every context position, then picks each slot's row.
 
 It computes the same loss as `trainer.objective` (the benchmark checks it), just the obvious way.
 """
@@ -42,7 +43,21 @@ def naive_convolution():
         modeling.grouped_dynamic_causal_conv = _fast_conv
 
 
-def naive_loss(draft, hidden, blocks, head, config: ObjectiveConfig, alpha: float) -> torch.Tensor:
+def naive_distillation(draft, logits, blocks, head, target_final_hidden, temperature: float) -> torch.Tensor:
+    """[rows, N * B] T^2 KL(target || draft) per draft position, from the target's full logits: slot
+    k of the block at anchor a is taught by the target's distribution at position a + k - 1."""
+    teacher = draft.compute_logits(target_final_hidden, head)  # [rows, S, V], every position
+    offsets = torch.arange(blocks.block_size, device=logits.device) - 1
+    positions = (blocks.anchors[:, :, None] + offsets).clamp(0, blocks.context_length - 1).reshape(len(logits), -1)
+    teacher = teacher.gather(1, positions[..., None].expand(-1, -1, teacher.shape[-1]))
+    log_p = torch.log_softmax(teacher / temperature, -1)
+    log_q = torch.log_softmax(logits / temperature, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1) * temperature**2
+
+
+def naive_loss(
+    draft, hidden, blocks, head, config: ObjectiveConfig, alpha: float, target_final_hidden=None
+) -> torch.Tensor:
     settings = draft.dflash
     block = settings.block_size
     rows = hidden.shape[0]
@@ -51,6 +66,9 @@ def naive_loss(draft, hidden, blocks, head, config: ObjectiveConfig, alpha: floa
     weights = blocks.weights.reshape(rows, -1)
     decay = decay_weights(block, config.resolved_gamma(block), hidden.device).repeat(blocks.num_blocks)
     nll = torch.logsumexp(logits, -1) - logits.gather(-1, labels[..., None])[..., 0]
+    if config.distills:
+        kd = naive_distillation(draft, logits, blocks, head, target_final_hidden, config.kd_temperature)
+        nll = (1 - config.resolved_kd_weight) * nll + config.resolved_kd_weight * kd
     numerator = (nll * weights * decay).sum()
     denominator = (weights * decay).sum()
     selector = draft.candidate_selector

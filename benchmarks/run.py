@@ -21,7 +21,7 @@ import transformers
 from benchmarks import plan_check, setups
 from benchmarks.capture import bench_capture
 from benchmarks.compile_step import bench_compile
-from benchmarks.loss_memory import sweep
+from benchmarks.loss_memory import MODES, sweep
 from benchmarks.op_count import op_counts
 from benchmarks.spec_decode import bench_spec_decode
 from benchmarks.train_step import bench_train_step, matmul_peak
@@ -109,19 +109,18 @@ def tables(results: dict) -> str:
         ]
     lines += [
         "",
-        "| anchors | chunked peak MB | unchunked peak MB | unchunked logits MB | chunked / logits |",
-        "|---|---|---|---|---|",
+        "| anchors | chunked peak MB | unchunked peak MB | chunked + KD peak MB | unchunked + KD peak MB "
+        "| unchunked logits MB | chunked / logits | chunked + KD / logits |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by_anchor: dict[int, dict] = {}
     for m in results["loss_head_memory"]:
         by_anchor.setdefault(m["anchors"], {})[m["mode"]] = m
     for anchors, modes in sorted(by_anchor.items()):
-        chunked, unchunked = modes["chunked"], modes["unchunked"]
-        logits = chunked["unchunked_logits_bytes"]
-        lines.append(
-            f"| {anchors} | {chunked['peak_bytes'] / 2**20:.0f} | {unchunked['peak_bytes'] / 2**20:.0f} | "
-            f"{logits / 2**20:.0f} | {chunked['peak_bytes'] / logits:.3f} |"
-        )
+        logits = modes["chunked"]["unchunked_logits_bytes"]
+        peaks = [f"{modes[mode]['peak_bytes'] / 2**20:.0f}" for mode in MODES]
+        ratios = [f"{modes[mode]['peak_bytes'] / logits:.3f}" for mode in ("chunked", "chunked-kd")]
+        lines.append(f"| {anchors} | " + " | ".join([*peaks, f"{logits / 2**20:.0f}", *ratios]) + " |")
     if "capture" in results:
         small, large = results["capture"]["smollm2_135m"], results["capture"]["qwen3_8b_flops"]
         lines += [

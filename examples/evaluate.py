@@ -24,12 +24,11 @@ from typing import Any
 
 import torch
 
-from modeling_dflash2 import DFlash2DraftModel
 from trainer.cli import run
 from trainer.data import end_of_turn_ids
 from trainer.evaluation import evaluate_paths, plot_report, render_markdown
 from trainer.fileio import write_file_atomically
-from trainer.loading import load_draft
+from trainer.loading import DRAFT_CLASSES, load_draft
 from trainer.prompt_sets import (
     BENCHMARKS,
     DEFAULT_MAX_PROMPT_LENGTH,
@@ -63,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=("selector", "unary"),
+        default=["selector", "unary"],
+        help="proposal paths to decode (a draft without a selector always runs unary only)",
+    )
     parser.add_argument("--output", help="default: <draft>/speculative/<benchmark>")
     args = parser.parse_args(argv)
     if args.prompts and args.benchmark != "heldout":
@@ -91,10 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once
 
     target = FrozenTarget.load(args.target, args.target_gguf_file)
-    trained = load_draft(args.draft).eval()
+    trained = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
     drafts = {"trained": trained}
     if args.compare_untrained:
-        drafts = {"untrained": DFlash2DraftModel(trained.config).eval(), **drafts}
+        drafts = {"untrained": type(trained)(trained.config).eval(), **drafts}
     selection = select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples)
     if not selection.prompts:
         raise ValueError(f"no {args.benchmark_name} prompt fits in --max-prompt-length {args.max_prompt_length}")
@@ -107,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_new_tokens,
         args.temperature,
         stops,
+        paths=args.paths,
         skip_selector_for=["untrained"],
         top_p=args.top_p,
         top_k=args.top_k,

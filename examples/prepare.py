@@ -21,13 +21,14 @@ from trainer.target import FrozenTarget
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, _ = parse_arguments(sys.argv[1:] if argv is None else argv, DEFAULT_RECIPE)
+    model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DEFAULT_RECIPE)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     target = FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
     )
     config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
-    train, evaluation = build_datasets(data_args, target, config.target_layer_ids)
+    distills = training_args.objective_config().distills  # distillation also stores final hidden states
+    train, evaluation = build_datasets(data_args, target, config.target_layer_ids, final_hidden=distills)
     print(f"prepared {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
 
 

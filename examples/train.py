@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
+from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import parse_arguments
 from trainer.cli import run
 from trainer.data import DFlashCollator, build_datasets
@@ -58,7 +58,8 @@ def build_draft(model_args):
             model_args.init_from, config, allow_block_size_change=model_args.init_allow_block_size_change
         )
     else:
-        draft = DFlash2DraftModel(config)
+        # a v1 config (no conv, no selector) trains a DFlash v1 draft with the same objective
+        draft = DFlash2DraftModel(config) if config.is_dflash2 else DFlashDraftModel(config)
     if model_args.lora_r > 0:
         if not model_args.init_from:
             raise ValueError("lora_r > 0 fine-tunes a warm-started draft: set init_from.")
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     draft = build_draft(model_args)
     target.check_draft(draft.dflash, draft.config)
     with training_args.main_process_first(desc="building datasets"):
-        train_dataset, eval_dataset = build_datasets(data_args, target, draft.target_layer_ids)
+        train_dataset, eval_dataset = build_datasets(
+            data_args, target, draft.target_layer_ids, final_hidden=training_args.objective_config().distills
+        )
     # The untrained baseline comes from an evaluation at step 0 inside the training loop (an
     # evaluate() before train() cannot prepare an FSDP2 model without its optimizer).
     training_args.eval_on_start = eval_dataset is not None

@@ -149,6 +149,28 @@ def test_offline_features_equal_online_capture_and_are_reused(target, tmp_path, 
     assert prepare_features(target, tokens, [2, 1], tmp_path, batch_size=2) == path
 
 
+def test_offline_store_with_final_hidden_states_for_distillation(target, tmp_path):
+    """One more H-wide feature per token, from the same capture, under its own cache key (a store
+    without it is never mistaken for one with it)."""
+    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(3)})
+    tokens = conversations.map(lambda s: tokenize_chat(target.tokenizer, s["messages"]), remove_columns=["messages"])
+    plain = prepare_features(target, tokens, [2, 1], tmp_path, batch_size=2)
+    path = prepare_features(target, tokens, [2, 1], tmp_path, batch_size=2, shard_samples=2, final_hidden=True)
+    assert path != plain and "target_final_hidden" not in OfflineDataset(tokens, plain)[0]
+    offline = OfflineDataset(tokens, path)
+    for i in range(3):
+        ids = torch.tensor([tokens[i]["input_ids"]])
+        features, final = target.capture(ids, None, [2, 1], final_hidden=True)
+        torch.testing.assert_close(offline[i]["target_hidden"], features[0])
+        torch.testing.assert_close(offline[i]["target_final_hidden"], final[0])
+    batch = DFlashCollator(pad_token_id=0)([offline[0], offline[1]])
+    width = batch["input_ids"].shape[1]
+    assert batch["target_final_hidden"].shape == (2, width, final.shape[-1])
+    length = len(tokens[1]["input_ids"])
+    assert torch.equal(batch["target_final_hidden"][1, :length], offline[1]["target_final_hidden"])
+    assert not batch["target_final_hidden"][1, length:].any()
+
+
 def test_collator_pads_every_field():
     samples = [
         {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "target_hidden": torch.ones(3, 2)},

@@ -328,3 +328,25 @@ def test_a_decoder_without_a_layers_list_runs_whole_with_one_warning(caplog):
         for _ in range(2):
             assert torch.equal(target.capture(input_ids, None, [0]), states[1])
     assert caplog.text.count("GPT2Model has no `layers` ModuleList: capture runs the whole target.") == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_final_hidden_states_are_what_the_lm_head_reads(kind):
+    """Distillation's teacher: capture(final_hidden=True) keeps the same features (truncated or not)
+    and adds the backbone's final-normed output, from which the LM head gives the target's logits."""
+    target = any_target(kind)
+    input_ids = torch.randint(4, 40, (2, 8))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 5:] = 0
+    with torch.no_grad():
+        full = target.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    for layer_ids in ([1], [2, 0], [target.num_layers - 1, 0]):
+        features, final = target.capture(input_ids, attention_mask, layer_ids, final_hidden=True)
+        assert torch.equal(features, target.capture(input_ids, attention_mask, layer_ids)), layer_ids
+        assert torch.equal(final, full.hidden_states[-1]), layer_ids
+    with torch.no_grad():
+        logits = target.lm_head(final)
+    softcap = getattr(target.text_config, "final_logit_softcapping", None)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    torch.testing.assert_close(logits, full.logits)

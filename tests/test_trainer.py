@@ -192,6 +192,25 @@ def test_offline_features_train_like_the_online_target(target, dataset, tmp_path
     assert _losses(offline) == pytest.approx(_losses(online), rel=1e-6)
 
 
+def test_distillation_trains_alike_online_and_offline_and_differs_from_cross_entropy(target, dataset, tmp_path):
+    """kd_weight > 0: online, the target runs to its final norm; offline, the store holds the final
+    states. Both give the same losses, which are not the cross-entropy recipe's."""
+    features = prepare_features(target, dataset, [1, 2], tmp_path / "cache", final_hidden=True)
+    settings = {"max_steps": 2, "kd_weight": 0.5, "kd_temperature": 2.0}
+    online = make_trainer(target, dataset, tmp_path / "online", **settings)
+    online.train()
+    offline = make_trainer(target, OfflineDataset(dataset, features), tmp_path / "offline", **settings)
+    offline.train()
+    assert _losses(offline) == pytest.approx(_losses(online), rel=1e-6)
+    assert all(entry["kd_divergence"] > 0 for entry in online.state.log_history if "loss" in entry)
+    plain = make_trainer(target, dataset, tmp_path / "plain", max_steps=2)
+    plain.train()
+    assert _losses(plain) != pytest.approx(_losses(online), rel=1e-3)
+    without = OfflineDataset(dataset, prepare_features(target, dataset, [1, 2], tmp_path / "cache"))
+    with pytest.raises(ValueError, match="no target final hidden states"):
+        make_trainer(target, without, tmp_path / "without", **settings).train()
+
+
 def test_checkpoint_loads_through_automodel(target, dataset, tmp_path):
     from transformers import AutoModel
 

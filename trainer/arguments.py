@@ -93,10 +93,15 @@ class DFlashTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Evaluation anchors per sequence, taken in order; unset: every valid position."},
     )
-    loss_type: str = field(default="ce", metadata={"help": "ce | dpace"})
+    loss_type: str = field(default="ce", metadata={"help": "ce | dpace | kd"})
     gamma: float | None = field(default=None, metadata={"help": "Decay; unset: 7 for B=16, 4 for B=8; 0: off."})
     dpace_alpha: float = 0.5
     dpace_weighting: str = "full"
+    kd_weight: float | None = field(
+        default=None,
+        metadata={"help": "Share of distillation in each slot's loss, (1 - w) CE + w KD; unset: 1 for kd, else 0."},
+    )
+    kd_temperature: float = field(default=1.0, metadata={"help": "Temperature of both distributions in the KD term."})
     loss_chunk_blocks: int = field(
         default=16, metadata={"help": "Blocks per LM-head chunk: one chunk of logits is the loss head's peak memory."}
     )
@@ -124,6 +129,8 @@ class DFlashTrainingArguments(TrainingArguments):
             gamma=self.gamma,
             dpace_alpha=self.dpace_alpha,
             dpace_weighting=self.dpace_weighting,
+            kd_weight=self.kd_weight,
+            kd_temperature=self.kd_temperature,
             chunk_blocks=self.loss_chunk_blocks,
             selector_alpha=self.selector_alpha,
             selector_warmup_ratio=self.selector_warmup_ratio,

@@ -327,19 +327,20 @@ def prepare_features(
     dtype: torch.dtype = torch.float32,
     batch_size: int = 8,
     shard_samples: int = 256,
+    final_hidden: bool = False,
 ) -> Path:
     """Capture `hidden_states[id + 1]` for every sample once; store safetensors shards on disk.
+    With `final_hidden` (distillation) each sample also stores the target's final hidden states,
+    one more H-wide feature per token, from the same forward.
 
-    Keyed by the target, the token ids and the layer ids; an existing store is reused.
+    Keyed by the target, the token ids, the layer ids and whether final states are stored; an
+    existing store is reused.
     """
-    key = digest(
-        {
-            "target": target.fingerprint(),
-            "data": token_fingerprint(dataset),
-            "layers": list(layer_ids),
-            "dtype": str(dtype),
-        }
-    )
+    fields = {"target": target.fingerprint(), "data": token_fingerprint(dataset), "layers": list(layer_ids)}
+    fields["dtype"] = str(dtype)
+    if final_hidden:  # (absent otherwise, so the stores written before it keep their keys)
+        fields["final_hidden"] = True
+    key = digest(fields)
     path = cache_root / "features" / key
     if (path / FEATURE_INDEX).exists():
         logger.info("Reusing offline target features from %s", path)
@@ -355,16 +356,29 @@ def prepare_features(
             for row, ids in enumerate(batch):  # right padding: a causal target ignores what follows
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 attention_mask[row, : len(ids)] = 1
-            hidden = target.capture(input_ids.to(target.device), attention_mask.to(target.device), layer_ids)
+            captured = target.capture(
+                input_ids.to(target.device), attention_mask.to(target.device), layer_ids, final_hidden=final_hidden
+            )
+            hidden, final = captured if final_hidden else (captured, None)
             for row, length in enumerate(lengths):
                 shard[f"sample_{start + row}"] = hidden[row, :length].to("cpu", dtype).contiguous()
-            if len(shard) >= shard_samples or start + batch_size >= len(dataset):
+                if final is not None:
+                    shard[f"final_{start + row}"] = final[row, :length].to("cpu", dtype).contiguous()
+            samples = sorted(int(key.split("_")[1]) for key in shard if key.startswith("sample_"))
+            if len(samples) >= shard_samples or start + batch_size >= len(dataset):
                 name = f"shard-{shard_index:05d}.safetensors"
                 save_file(shard, directory / name)
-                shards.append({"file": name, "samples": sorted(int(k.split("_")[1]) for k in shard)})
+                shards.append({"file": name, "samples": samples})
                 shard, shard_index = {}, shard_index + 1
         (directory / FEATURE_INDEX).write_text(
-            json.dumps({"num_samples": len(dataset), "layer_ids": list(layer_ids), "shards": shards})
+            json.dumps(
+                {
+                    "num_samples": len(dataset),
+                    "layer_ids": list(layer_ids),
+                    "final_hidden": final_hidden,
+                    "shards": shards,
+                }
+            )
         )
 
     write_directory_atomically(path, write)
@@ -381,6 +395,7 @@ class OfflineDataset(torch.utils.data.Dataset):
         self.tokens = tokens
         self.features = features
         self.shard_of = {sample: shard["file"] for shard in index["shards"] for sample in shard["samples"]}
+        self.final_hidden = bool(index.get("final_hidden", False))
         self._handles: dict[str, Any] = {}
 
     def __len__(self) -> int:
@@ -395,6 +410,8 @@ class OfflineDataset(torch.utils.data.Dataset):
         if hidden.shape[0] != len(sample["input_ids"]):
             raise ValueError(f"sample {index}: {hidden.shape[0]} feature rows for {len(sample['input_ids'])} tokens.")
         sample["target_hidden"] = hidden
+        if self.final_hidden:
+            sample["target_final_hidden"] = self._handles[shard].get_tensor(f"final_{index}")
         return sample
 
     def __getstate__(self):  # dataloader workers open their own handles
@@ -408,8 +425,12 @@ class OfflineDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------
 
 
+FEATURE_KEYS = ("target_hidden", "target_final_hidden")
+
+
 class DFlashCollator:
-    """Right-pads `input_ids` (pad id), `loss_mask` (0), `attention_mask`, and `target_hidden` (0)."""
+    """Right-pads `input_ids` (pad id), `loss_mask` (0), `attention_mask`, and the stored target
+    features `target_hidden` and `target_final_hidden` (0)."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -422,16 +443,16 @@ class DFlashCollator:
             "loss_mask": torch.zeros(len(samples), width, dtype=torch.long),
             "attention_mask": torch.zeros(len(samples), width, dtype=torch.long),
         }
-        has_features = "target_hidden" in samples[0]
-        if has_features:
-            first = torch.as_tensor(samples[0]["target_hidden"])
-            batch["target_hidden"] = torch.zeros(len(samples), width, first.shape[-1], dtype=first.dtype)
+        features = [key for key in FEATURE_KEYS if key in samples[0]]
+        for key in features:
+            first = torch.as_tensor(samples[0][key])
+            batch[key] = torch.zeros(len(samples), width, first.shape[-1], dtype=first.dtype)
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
             batch["input_ids"][row, :length] = torch.as_tensor(sample["input_ids"])
             batch["loss_mask"][row, :length] = torch.as_tensor(sample["loss_mask"])
             batch["attention_mask"][row, :length] = 1
-            if has_features:
-                batch["target_hidden"][row, :length] = torch.as_tensor(sample["target_hidden"])
+            for key in features:
+                batch[key][row, :length] = torch.as_tensor(sample[key])
         return batch
 
 
@@ -608,8 +629,9 @@ def conversations_or_prompts(raw: datasets.Dataset, args) -> tuple[datasets.Data
     )
 
 
-def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
-    """(train, eval or None) tokenized datasets, or offline datasets with stored target features.
+def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_hidden: bool = False):
+    """(train, eval or None) tokenized datasets, or offline datasets with stored target features
+    (with the target's final hidden states too when `final_hidden`, for distillation).
 
     `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
     answered by the target; the last `num_eval_samples` prompts/conversations are held out.
@@ -654,7 +676,12 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int]):
         )
     if args.offline:
         dtype = getattr(torch, args.offline_dtype)
-        train = OfflineDataset(train, prepare_features(target, train, layer_ids, cache_root, dtype))
+
+        def offline(tokens: datasets.Dataset) -> OfflineDataset:
+            store = prepare_features(target, tokens, layer_ids, cache_root, dtype, final_hidden=final_hidden)
+            return OfflineDataset(tokens, store)
+
+        train = offline(train)
         if evaluation is not None:
-            evaluation = OfflineDataset(evaluation, prepare_features(target, evaluation, layer_ids, cache_root, dtype))
+            evaluation = offline(evaluation)
     return train, evaluation

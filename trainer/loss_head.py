@@ -6,6 +6,11 @@ known during the forward pass once the position weights pw are. Forming it there
 [rows, V] logits are never kept for backward and never recomputed: two GEMMs per chunk (logits and
 grad_h) instead of three under activation checkpointing, and a peak memory of one chunk's logits
 however many anchors there are. The same pass yields the metrics' top-K candidates and argmax.
+
+Distillation (docs/objective.md §6) rides in the same pass: the teacher's logits for the chunk's rows
+come from the target's final hidden states through the same head, so its [rows, V] distribution
+exists for one chunk at a time and its gradient `T (q - p)` joins the cross-entropy's before the one
+GEMM back to the hidden states.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import torch.nn.functional as F
 
 @dataclass
 class HeadOutputs:
-    """numerator = sum(pw * nll) (differentiable); the rest is detached: per-row nll, position
-    weights, argmax, the strict top-K (values, ids) of the transformed logits (None if K=0) and
-    the gold token's transformed logit."""
+    """numerator = sum(pw * loss) (differentiable), loss = (1 - kd_weight) * nll + kd_weight * kd; the
+    rest is detached: per-row nll, position weights, argmax, the strict top-K (values, ids) of the
+    transformed logits (None if K=0), the gold token's transformed logit and, with a teacher, the
+    per-row distillation term (None without one)."""
 
     numerator: torch.Tensor
     nll: torch.Tensor
@@ -29,28 +35,72 @@ class HeadOutputs:
     argmax: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None
     gold: torch.Tensor | None = None  # the gold token's transformed logit per row
+    kd: torch.Tensor | None = None  # T^2 * KL(teacher || draft) per row, both at temperature T
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """The teacher side of the distillation term: the target's final (post-norm) hidden states for
+    the same rows, read by the same head, its mixing weight and its temperature."""
+
+    teacher_hidden: torch.Tensor
+    weight: float
+    temperature: float
+
+
+def served_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, multiplier: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`softcap(m * hidden @ W.T)` [R, V] in float32 or wider, and tanh(.) when capped, for the
+    gradient): the unary logits exactly as the server forms them."""
+    logits = F.linear(hidden, weight)
+    unary = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    if multiplier != 1.0:
+        unary = unary * multiplier
+    squashed = None
+    if softcap is not None:
+        squashed = torch.tanh(unary / softcap)
+        unary = squashed * softcap
+    return unary, squashed
+
+
+def _distillation(
+    unary: torch.Tensor, weight: torch.Tensor, distillation: Distillation, multiplier: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row T^2 KL(p || q), and T * (q - p) = its gradient with respect to the draft's unary
+    logits) with p = softmax(teacher / T), q = softmax(unary / T): three [R, V] buffers (log p,
+    log q, p) beside the chunk's logits, all freed with the chunk."""
+    temperature = distillation.temperature
+    teacher, _ = served_logits(distillation.teacher_hidden.to(weight.dtype), weight, multiplier, softcap)
+    log_p = teacher.div_(temperature)
+    log_p.sub_(log_p.logsumexp(dim=-1, keepdim=True))
+    log_q = unary / temperature
+    log_q.sub_(log_q.logsumexp(dim=-1, keepdim=True))
+    p = log_p.exp()
+    # KL = sum p (log p - log q) as two row-wise dot products: no third [R, V] buffer
+    kl = torch.einsum("rv,rv->r", p, log_p) - torch.einsum("rv,rv->r", p, log_q)
+    del log_p, teacher
+    gradient = log_q.exp_().sub_(p).mul_(temperature)
+    return kl * temperature**2, gradient
 
 
 class _FusedUnaryCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, position_weights_fn, multiplier, softcap, top_k):
+    def forward(ctx, hidden, weight, labels, position_weights_fn, multiplier, softcap, top_k, distillation):
         with torch.no_grad():
             # Under autocast both GEMMs run in the autocast dtype and a 16-bit head is used as it is;
             # otherwise the head is cast to the hidden states' dtype (a [V, H] copy only if they differ).
             if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
                 weight = weight.to(hidden.dtype)
-            logits = F.linear(hidden, weight)
-            unary = logits if logits.dtype == torch.float32 else logits.float()
-            if multiplier != 1.0:
-                unary = unary * multiplier
-            squashed = None
-            if softcap is not None:
-                squashed = torch.tanh(unary / softcap)
-                unary = squashed * softcap
+            unary, squashed = served_logits(hidden, weight, multiplier, softcap)
             columns = labels[:, None]
             gold = unary.gather(1, columns)[:, 0]
             top = torch.topk(unary, top_k, dim=-1, sorted=True) if top_k else None
             argmax = top.indices[:, 0] if top is not None else unary.argmax(dim=-1)
+            kd = kd_gradient = None
+            if distillation is not None:  # before the logits buffer is reused below
+                kd, kd_gradient = _distillation(unary, weight, distillation, multiplier, softcap)
+            ce_share = 1.0 - distillation.weight if distillation is not None else 1.0
             # log-sum-exp by hand, reusing exp(u - max) as the softmax numerator of the gradient
             peak = top.values[:, :1] if top is not None else unary.amax(dim=-1, keepdim=True)
             exponentials = unary.sub_(peak).exp_()
@@ -58,18 +108,25 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
             log_normalizer = total.log()[:, 0] + peak[:, 0]
             nll = log_normalizer - gold
             weights = position_weights_fn(nll).to(nll.dtype)
-            # d(sum pw * nll)/du = pw * (softmax(u) - onehot), built in place over the logits buffer
-            gradient = exponentials.mul_(weights[:, None] / total)
-            gradient.scatter_add_(1, columns, -weights[:, None])
+            row_loss = nll if kd is None else ce_share * nll + distillation.weight * kd
+            # d(sum pw * loss)/du = pw * ((1 - w) (softmax(u) - onehot) + w T (q - p)), built in place
+            # over the logits buffer
+            ce_weights = weights * ce_share
+            gradient = exponentials.mul_(ce_weights[:, None] / total)
+            gradient.scatter_add_(1, columns, -ce_weights[:, None])
+            if kd_gradient is not None:
+                gradient.add_(kd_gradient.mul_((weights * distillation.weight)[:, None]))
+                del kd_gradient
             if squashed is not None:
                 gradient.mul_(1.0 - squashed.square_())
             if multiplier != 1.0:
                 gradient.mul_(multiplier)
             grad_hidden = (gradient.to(hidden.dtype) @ weight).to(hidden.dtype)
-            numerator = (nll * weights).sum()
+            numerator = (row_loss * weights).sum()
         ctx.save_for_backward(grad_hidden)
         ctx.set_materialize_grads(False)  # the detached outputs get no gradient: no zero tensors for them
-        outputs = (nll, weights, argmax, gold) + ((top.values, top.indices) if top is not None else ())
+        outputs = (nll, weights, argmax, gold) + ((kd,) if kd is not None else ())
+        outputs += (top.values, top.indices) if top is not None else ()
         ctx.mark_non_differentiable(*outputs)
         return (numerator, *outputs)
 
@@ -77,7 +134,7 @@ class _FusedUnaryCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_numerator, *unused):
         (grad_hidden,) = ctx.saved_tensors
         grad = None if grad_numerator is None else grad_numerator * grad_hidden
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def fused_unary_cross_entropy(
@@ -88,15 +145,19 @@ def fused_unary_cross_entropy(
     multiplier: float = 1.0,
     softcap: float | None = None,
     top_k: int = 0,
+    distillation: Distillation | None = None,
 ) -> HeadOutputs:
     """hidden [R, H], head_weight [V, H] (frozen), labels [R]; `position_weights_fn(nll) -> pw [R]`
-    receives the detached per-row NLL (so D-PACE can weight by it)."""
+    receives the detached per-row NLL (so D-PACE can weight by it). With `distillation` (teacher
+    hidden states [R, H]) each row's loss mixes the NLL with the distillation term."""
     outputs = _FusedUnaryCrossEntropy.apply(
-        hidden, head_weight.detach(), labels, position_weights_fn, multiplier, softcap, top_k
+        hidden, head_weight.detach(), labels, position_weights_fn, multiplier, softcap, top_k, distillation
     )
     numerator, nll, weights, argmax, gold = outputs[:5]
-    top = (outputs[5], outputs[6]) if top_k else None
-    return HeadOutputs(numerator=numerator, nll=nll, position_weights=weights, argmax=argmax, top=top, gold=gold)
+    rest = list(outputs[5:])
+    kd = rest.pop(0) if distillation is not None else None
+    top = (rest[0], rest[1]) if top_k else None
+    return HeadOutputs(numerator=numerator, nll=nll, position_weights=weights, argmax=argmax, top=top, gold=gold, kd=kd)
 
 
 class _CandidateUnary(torch.autograd.Function):

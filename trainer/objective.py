@@ -30,11 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, join_lattices
 from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.loss_head import HeadOutputs, candidate_unary, fused_unary_cross_entropy
+from trainer.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
 from trainer.masks import attention_masks
 from trainer.metrics import MetricTerms, selector_terms, unary_terms
 
-LOSS_TYPES = ("ce", "dpace")
+LOSS_TYPES = ("ce", "dpace", "kd")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
 SELECTOR_GOLD_MODES = ("skip", "insert")
 OBJECTIVE_LABEL = "dflash2::objective"  # profiler label: LM head, losses and metrics inside the draft forward
@@ -50,8 +50,11 @@ class ObjectiveConfig:
     """Knobs of the objective. Defaults are those of the published recipes where they name one.
 
     gamma: decay constant; None picks `default_gamma(block_size)`, 0 disables decay.
-    loss_type: "ce" (gamma-decayed CE) or "dpace" (dynamic position-aware CE, weight `dpace_weighting`:
-        "full" = W_k, "prefix" = P_k, "suffix" = W_k / P_k).
+    loss_type: "ce" (gamma-decayed CE), "dpace" (dynamic position-aware CE, weight `dpace_weighting`:
+        "full" = W_k, "prefix" = P_k, "suffix" = W_k / P_k) or "kd" (gamma-decayed distillation from
+        the target: "ce" with kd_weight 1).
+    kd_weight: w in [0, 1]; each slot's loss is (1 - w) CE + w T^2 KL(target || draft) at temperature
+        `kd_temperature`. None: 1 for "kd", 0 (no distillation) otherwise.
     chunk_blocks: blocks per LM-head chunk.
     selector_alpha / selector_warmup_ratio / selector_ramp_ratio: the selector weight schedule.
     selector_gold: "skip" (gold outside the strict top-K gets weight 0, as serving never injects
@@ -64,6 +67,8 @@ class ObjectiveConfig:
     gamma: float | None = None
     dpace_alpha: float = 0.5
     dpace_weighting: str = "full"
+    kd_weight: float | None = None
+    kd_temperature: float = 1.0
     chunk_blocks: int = 16
     selector_alpha: float = 1.0
     selector_warmup_ratio: float = 0.0
@@ -80,6 +85,12 @@ class ObjectiveConfig:
             raise ValueError(f"dpace_weighting must be one of {DPACE_WEIGHTINGS} (got {self.dpace_weighting!r}).")
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1] (got {self.dpace_alpha}).")
+        if self.kd_weight is not None and not (math.isfinite(self.kd_weight) and 0.0 <= self.kd_weight <= 1.0):
+            raise ValueError(f"kd_weight must be in [0, 1] (got {self.kd_weight}).")
+        if self.loss_type == "kd" and self.kd_weight == 0:
+            raise ValueError("loss_type kd with kd_weight 0 distills nothing: use loss_type ce, or kd_weight > 0.")
+        if not (math.isfinite(self.kd_temperature) and self.kd_temperature > 0):
+            raise ValueError(f"kd_temperature must be a finite number > 0 (got {self.kd_temperature}).")
         if self.gamma is not None and not math.isfinite(self.gamma):
             raise ValueError(f"gamma must be finite (got {self.gamma}).")
         if self.chunk_blocks < 1:
@@ -96,6 +107,17 @@ class ObjectiveConfig:
     def resolved_gamma(self, block_size: int) -> float | None:
         gamma = default_gamma(block_size) if self.gamma is None else self.gamma
         return gamma if gamma is not None and gamma > 0 else None
+
+    @property
+    def resolved_kd_weight(self) -> float:
+        if self.kd_weight is not None:
+            return self.kd_weight
+        return 1.0 if self.loss_type == "kd" else 0.0
+
+    @property
+    def distills(self) -> bool:
+        """Whether the objective needs the target's final hidden states (the teacher's logits)."""
+        return self.resolved_kd_weight > 0
 
     @property
     def selector_enabled(self) -> bool:
@@ -171,6 +193,18 @@ class _HeadPass:
     argmax: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None
     gold: torch.Tensor
+    kd: torch.Tensor | None = None
+
+
+def teacher_rows(blocks: BlockBatch, index: torch.Tensor) -> torch.Tensor:
+    """[n, B-1] row numbers into the flattened [b * S, H] target states: slot k of the block at
+    anchor a is taught by the target's distribution at position a + k - 1 (the one that predicts
+    token a + k); positions past the end are clamped and carry weight 0 anyway."""
+    row = torch.div(index, blocks.num_blocks, rounding_mode="floor")
+    anchors = blocks.anchors.reshape(-1)[index]
+    offsets = torch.arange(blocks.block_size - 1, device=anchors.device)
+    positions = (anchors[:, None] + offsets).clamp(max=blocks.context_length - 1)
+    return row[:, None] * blocks.context_length + positions
 
 
 def _head_pass(
@@ -182,10 +216,12 @@ def _head_pass(
     config: ObjectiveConfig,
     decay: torch.Tensor,
     top_k: int,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> _HeadPass:
     """Fused LM head + unary CE in chunks of `config.chunk_blocks` blocks over the proposal slots
     1..B-1 (`proposal_hidden` [n, B-1, H]; slot 0, the anchor, is never scored). Only the chunk's
-    scalar numerator and its small per-slot outputs leave the loop."""
+    scalar numerator and its small per-slot outputs leave the loop. `teacher` is (the target's final
+    hidden states [b * S, H], `teacher_rows` [n, B-1]): each chunk gathers only its own rows."""
     blocks, block = labels.shape
     numerator = proposal_hidden.new_zeros((), dtype=torch.float32)
     pieces: list[HeadOutputs] = []
@@ -201,6 +237,12 @@ def _head_pass(
                 return (chunk_weights * dpace)[:, 1:].reshape(-1)
             return (chunk_weights[:, 1:] * decay[1:]).reshape(-1)
 
+        distillation = None
+        if teacher is not None:
+            states, rows_of = teacher
+            distillation = Distillation(
+                states[rows_of[chunk].reshape(-1)], config.resolved_kd_weight, config.kd_temperature
+            )
         head = fused_unary_cross_entropy(
             proposal_hidden[chunk].flatten(0, 1),
             head_weight,
@@ -209,6 +251,7 @@ def _head_pass(
             settings.output_multiplier,
             settings.final_logit_softcapping,
             top_k,
+            distillation,
         )
         numerator = numerator + head.numerator
         pieces.append(head)
@@ -226,6 +269,7 @@ def _head_pass(
         argmax=joined([piece.argmax for piece in pieces]),
         top=top,
         gold=joined([piece.gold for piece in pieces]),
+        kd=joined([piece.kd for piece in pieces]) if teacher is not None else None,
     )
 
 
@@ -332,6 +376,8 @@ def _metrics(labels: torch.Tensor, weights: torch.Tensor, head: _HeadPass, selec
     full_prediction = torch.cat([labels[:, :1], head.argmax], dim=1)  # slot 0 is never scored
     terms = unary_terms(full_prediction, labels, weights)
     terms["loss_base_unweighted"] = ((head.nll * weights[:, 1:]).sum(), weights.sum())
+    if head.kd is not None:  # the distillation term per supervised slot, without position weights
+        terms["kd_divergence"] = ((head.kd * weights[:, 1:]).sum(), weights.sum())
     if selector is not None:
         terms.update(
             selector_terms(
@@ -383,8 +429,12 @@ def dflash_loss(
     output_head: nn.Module | torch.Tensor,
     config: ObjectiveConfig,
     alpha: float | None = None,
+    target_final_hidden: torch.Tensor | None = None,
 ) -> ObjectiveResult:
     """Objective for draft outputs `hidden` [b, N*B, H] of the packed `blocks`.
+
+    `target_final_hidden` [b, S, H] (the target's final, post-norm hidden states: what its LM head
+    reads) is required when the objective distills (`config.distills`).
 
     `alpha` is alpha_eff (see `selector_alpha_at`); None means the configured alpha. With DFlash2
     and alpha > 0 configured, the selector term is always computed and multiplied by alpha_eff, so
@@ -408,7 +458,12 @@ def dflash_loss(
 
     decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
     top_k = draft.candidate_selector.top_k if with_selector else 0
-    head = _head_pass(proposal_hidden, labels, weights, weight, draft.dflash, config, decay, top_k)
+    teacher = None
+    if config.distills:
+        if target_final_hidden is None:
+            raise ValueError("kd_weight > 0 needs the target's final hidden states (target_final_hidden).")
+        teacher = (target_final_hidden.reshape(-1, target_final_hidden.shape[-1]), teacher_rows(blocks, index))
+    head = _head_pass(proposal_hidden, labels, weights, weight, draft.dflash, config, decay, top_k, teacher)
     numerator = head.numerator
     selector = _SelectorTerm(draft, weight, config)(proposal_hidden, labels, head) if with_selector else None
     selector_numerator = selector.numerator if selector is not None else hidden.new_zeros((), dtype=torch.float32)
@@ -445,10 +500,12 @@ def draft_objective(
     row_ids: torch.Tensor | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     forward_module: nn.Module | None = None,
+    target_final_hidden: torch.Tensor | None = None,
 ) -> ObjectiveResult:
     """One batch end to end: anchors -> blocks -> masks -> draft forward -> objective.
 
-    input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]. Anchors come from `anchors`
+    input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]; target_final_hidden [b, S, H] (only
+    for distillation). Anchors come from `anchors`
     ((anchors, keep), e.g. drawn ahead by a trainer) or are drawn here with `draw`; `draw=None`
     takes every valid position in order (evaluation). `forward_module` is the (possibly DDP/FSDP
     wrapped) module to call; the objective runs inside its forward.
@@ -463,7 +520,7 @@ def draft_objective(
 
     def objective(hidden: torch.Tensor) -> dict:
         with record_function(OBJECTIVE_LABEL):
-            return dflash_loss(draft, hidden, blocks, output_head, config, alpha).as_dict()
+            return dflash_loss(draft, hidden, blocks, output_head, config, alpha, target_final_hidden).as_dict()
 
     outputs = (forward_module or draft)(
         position_ids=blocks.model_position_ids(),

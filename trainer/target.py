@@ -262,8 +262,11 @@ class FrozenTarget:
         attention_mask: torch.Tensor | None,
         layer_ids: Sequence[int],
         full_depth: bool = False,
-    ) -> torch.Tensor:
-        """[b, S, n*H]: `hidden_states[id + 1]` for each id, concatenated in list order.
+        final_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[b, S, n*H]: `hidden_states[id + 1]` for each id, concatenated in list order; with
+        `final_hidden`, also the final (post-norm) hidden states [b, S, H] the LM head reads
+        (distillation needs them), as a pair.
 
         The forward stops right after decoder layer max(layer_ids): later layers, the final norm
         and the LM head never run. A forward hook on each needed layer keeps its output, and the
@@ -274,7 +277,8 @@ class FrozenTarget:
         exception: transformers' `hidden_states[-1]` is the *final-normed* output, so that case
         keeps the full run (nothing is left to skip but the norm). `full_depth=True` always runs
         the whole backbone with `output_hidden_states=True` (the reference, and the benchmark's
-        baseline).
+        baseline); `final_hidden=True` runs the whole backbone too, still keeping only the needed
+        layers' outputs.
         """
         layer_ids = [int(layer_id) for layer_id in layer_ids]
         bad = [layer_id for layer_id in layer_ids if not 0 <= layer_id < self.num_layers]
@@ -291,14 +295,17 @@ class FrozenTarget:
             output = self.backbone(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
             )
-            return target_features(output.hidden_states, layer_ids)
-        with _record_layer_outputs(layers, set(layer_ids), deepest) as outputs, suppress(_DeepestLayerDone):
-            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            features = target_features(output.hidden_states, layer_ids)
+            return (features, output.last_hidden_state) if final_hidden else features
+        stop_after = None if final_hidden else deepest
+        with _record_layer_outputs(layers, set(layer_ids), stop_after) as outputs, suppress(_DeepestLayerDone):
+            output = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         if deepest not in outputs:
             raise RuntimeError(
                 f"{type(self.backbone).__name__}'s forward never ran decoder layer {deepest} (layers[{deepest}])."
             )
-        return torch.cat([outputs[layer_id] for layer_id in layer_ids], dim=-1)
+        features = torch.cat([outputs[layer_id] for layer_id in layer_ids], dim=-1)
+        return (features, output.last_hidden_state) if final_hidden else features
 
     # -- sharding across ranks ------------------------------------------------------------------
 
@@ -411,14 +418,17 @@ def _warn_whole_target_runs(backbone_name: str) -> None:
 
 
 @contextmanager
-def _record_layer_outputs(layers: nn.ModuleList, needed: set[int], deepest: int) -> Iterator[dict[int, torch.Tensor]]:
-    """Forward hooks keeping the output of each needed layer; the deepest one ends the forward."""
+def _record_layer_outputs(
+    layers: nn.ModuleList, needed: set[int], stop_after: int | None
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks keeping the output of each needed layer; layer `stop_after` (if any) ends the
+    forward."""
     outputs: dict[int, torch.Tensor] = {}
 
     def hook_for(index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             outputs[index] = output[0] if isinstance(output, tuple) else output
-            if index == deepest:
+            if index == stop_after:
                 raise _DeepestLayerDone
 
         return hook

@@ -165,9 +165,17 @@ class DFlash2Trainer(Trainer):
 
     def _objective(self, model, draft: DFlashDraftModel, inputs: dict[str, Any]) -> ObjectiveResult:
         input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
-        target_hidden = inputs.get("target_hidden")
+        target_hidden, target_final = inputs.get("target_hidden"), inputs.get("target_final_hidden")
+        distills = self.objective.distills
         if target_hidden is None:
-            target_hidden = self.target.capture(input_ids, inputs.get("attention_mask"), draft.target_layer_ids)
+            attention_mask = inputs.get("attention_mask")
+            captured = self.target.capture(input_ids, attention_mask, draft.target_layer_ids, final_hidden=distills)
+            target_hidden, target_final = captured if distills else (captured, None)
+        elif distills and target_final is None:
+            raise ValueError(
+                "kd_weight > 0: the offline features hold no target final hidden states; "
+                "build the datasets with final_hidden=True (train.py and prepare.py do for a distilling recipe)"
+            )
         dtype = next(draft.parameters()).dtype
         if "anchors" in inputs:
             anchors = (inputs["anchors"], inputs["anchor_keep"])
@@ -190,6 +198,7 @@ class DFlash2Trainer(Trainer):
             alpha=alpha,
             anchors=anchors,
             forward_module=model,
+            target_final_hidden=target_final.to(dtype) if distills else None,
         )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
