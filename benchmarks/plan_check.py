@@ -76,6 +76,7 @@ class CheckShape:
     fsdp: bool = False
     online: bool = False  # a real (random) target captures the features inside the step
     target_intermediate_size: int = 0  # 0: twice the hidden size
+    kd_weight: float = 0.0  # > 0: distillation, with the target's final hidden states
 
     def draft_config(self) -> dict[str, Any]:
         return {
@@ -129,6 +130,8 @@ class CheckShape:
         )
         if self.gradient_checkpointing:
             flags += ["--activation_checkpointing", "true"]
+        if self.kd_weight:
+            flags += ["--kd_weight", str(self.kd_weight)]
         if self.fsdp:
             flags += ["--fsdp", "true", "--fsdp_config", '{"version": 2, "reshard_after_forward": true}']
         return flags
@@ -157,6 +160,14 @@ SHAPES = (
     CheckShape(
         "online capture", 64, 128, 1, 4, 2, 16, 4096, 8, rows=2, length=1024, anchors=8, chunk_blocks=8, online=True,
         target_intermediate_size=1536,
+    ),
+    CheckShape(
+        "distillation", 64, 192, 1, 4, 2, 16, 16384, 8, rows=2, length=192, anchors=32, chunk_blocks=32,
+        selector_rank=8, kd_weight=0.5,
+    ),
+    CheckShape(
+        "distillation, online", 64, 128, 1, 4, 2, 16, 4096, 8, rows=2, length=1024, anchors=8, chunk_blocks=8,
+        online=True, target_intermediate_size=1536, kd_weight=0.5,
     ),
     CheckShape(
         "bf16 FSDP2", 64, 192, 2, 4, 2, 24, 4096, 16, rows=2, length=192, anchors=32, chunk_blocks=4, bf16=True,
@@ -245,11 +256,15 @@ def _measure_step(shape: CheckShape, model_args, training_args, seed: int) -> in
     loss_mask[:, :PROMPT_TOKENS] = 0
     attention_mask = torch.ones_like(loss_mask)  # the collator's right padding, on the last row
     attention_mask[-1, -PAD_TOKENS:] = loss_mask[-1, -PAD_TOKENS:] = 0
+    distills = objective.distills
+    final = None
     if shape.online:  # a random target of the planned config, captured inside the step
         target = FrozenTarget(Qwen3ForCausalLM(Qwen3Config(**shape.target_config())))
         embedding, head, features = target.embedding_weight, target.lm_head.weight, None
     else:  # offline features; the target's embedding and LM head only (not measured)
         features = torch.randn(rows, length, len(shape.target_layer_ids) * hidden, generator=generator)
+        if distills:
+            final = torch.randn(rows, length, hidden, generator=generator)
         embedding = torch.randn(vocab, hidden, generator=generator) * 0.02
         head = torch.randn(vocab, hidden, generator=generator) * 0.02
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
@@ -260,12 +275,22 @@ def _measure_step(shape: CheckShape, model_args, training_args, seed: int) -> in
         anchors = sample_anchors(loss_mask, objective.num_anchors, AnchorDraw(seed, index))
         blocks = build_blocks(input_ids, loss_mask, *anchors, config.block_size, config.mask_token_id)
         denominator = loss_denominator(blocks.weights, objective)
-        target_hidden = features
+        target_hidden, target_final = features, final
         if shape.online:
-            target_hidden = target.capture(input_ids, attention_mask, shape.target_layer_ids)
+            captured = target.capture(input_ids, attention_mask, shape.target_layer_ids, final_hidden=distills)
+            target_hidden, target_final = captured if distills else (captured, None)
         with autocast:
             result = draft_objective(
-                draft, input_ids, loss_mask, target_hidden.float(), embedding, head, objective, None, anchors=anchors
+                draft,
+                input_ids,
+                loss_mask,
+                target_hidden.float(),
+                embedding,
+                head,
+                objective,
+                None,
+                anchors=anchors,
+                target_final_hidden=target_final.float() if distills else None,
             )
         (result.numerator / denominator.clamp(min=1e-12)).backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), training_args.max_grad_norm)
@@ -275,7 +300,7 @@ def _measure_step(shape: CheckShape, model_args, training_args, seed: int) -> in
     step(0)  # creates the optimizer states
     states = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
     alive = [*draft.parameters(), *states]
-    batch = [input_ids, loss_mask, attention_mask] + ([] if features is None else [features])
+    batch = [input_ids, loss_mask, attention_mask] + [t for t in (features, final) if t is not None]
     before = _tensor_bytes([_local(tensor) for tensor in alive] + batch)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         step(1)

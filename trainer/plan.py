@@ -154,6 +154,7 @@ class RunFacts:
     selector_enabled: bool
     optimizer_bytes_per_parameter: int
     device: str = "cuda"
+    distills: bool = False  # kd_weight > 0: the target's final hidden states and the teacher's logits
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -453,6 +454,7 @@ def run_facts(
         "activation checkpointing": "on" if checkpointing else "off",
         "attention": model_args.attn_implementation,
         "features": "offline (from disk)" if data_args.offline else "online (target forward each step)",
+        "objective": f"{objective.loss_type}, kd_weight {objective.resolved_kd_weight:g}",
     }
     return RunFacts(
         world_size=num_gpus,
@@ -474,6 +476,7 @@ def run_facts(
         optimizer_bytes_per_parameter=_optimizer_bytes(training_args.optim),
         device=device,
         settings=settings,
+        distills=objective.distills,
     )
 
 
@@ -616,11 +619,15 @@ def _attention_kept(draft: DraftFacts, run: RunFacts, shape: StepShape) -> int:
 def feature_bytes_per_row(draft: DraftFacts, run: RunFacts, shape: StepShape) -> int:
     """The target features [S, n*H] as the step holds them: as captured or loaded (target or offline
     dtype), the trainer's fp32 copy (`.to(draft dtype)`), and under mixed precision the 16-bit copy
-    that fc keeps (autocast's, or FSDP2's cast of the root inputs)."""
+    that fc keeps (autocast's, or FSDP2's cast of the root inputs); when distilling, also the
+    target's final hidden states and their fp32 copy."""
     m = run.precision.compute
     source = run.feature_bytes
     per_element = source + (FP32 if source != FP32 else 0) + (m if m != FP32 else 0)
-    return per_element * shape.context * draft.num_features * draft.hidden_size
+    features = per_element * shape.context * draft.num_features * draft.hidden_size
+    if run.distills:  # the target's final hidden states [S, H]: as captured or loaded, and the fp32 copy
+        features += (source + (FP32 if source != FP32 else 0)) * shape.context * draft.hidden_size
+    return features
 
 
 def global_kept_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> int:
@@ -681,7 +688,10 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     buffer for an output multiplier, two for a soft-cap, and the gradient's cast back to the hidden
     dtype), and one copy of the LM head: in the autocast dtype under autocast (none for a 16-bit
     head), else in the hidden states' dtype, when the target's differs. A selector
-    chunk's [rows, K, r] codebook rows are sized to be no larger; the larger of the two counts."""
+    chunk's [rows, K, r] codebook rows are sized to be no larger; the larger of the two counts.
+    Distillation adds, per chunk, three fp32 buffers at its peak (the teacher's fp32 logits, which
+    become log p in place, log q and p; a 16-bit teacher output and logsumexp's working copy are
+    gone by then), and keeps one fp32 divergence per row."""
     m, s, tb = run.precision.compute, run.precision.stream, run.target_bytes
     blocks = shape.rows * run.num_anchors
     slots = draft.block_size - 1
@@ -697,6 +707,9 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     # one copy of the head: under autocast (m != s) in the compute dtype, else in the stream's dtype
     head_dtype_bytes = m if m != s else s
     head_copies = v * h * (head_dtype_bytes if tb != head_dtype_bytes else 0)
+    if run.distills:
+        per_logit += 3 * FP32
+        kept += rows * FP32
     transient = chunk_rows * v * per_logit + head_copies
     if top_k:  # the selector's candidate logits reuse the head's top-K: only [rows, K, r] codebook rows
         step = run.chunk_blocks * max(1, v // (top_k * draft.selector_rank))
@@ -710,13 +723,16 @@ def capture_bytes(draft: DraftFacts, target: TargetFacts, run: RunFacts, shape: 
     layer, the outputs kept so far, the residual stream and one target layer's working set (norm,
     q/k/v, attention output, and the SwiGLU's three [S, I] tensors); and at the end, the kept
     outputs and their concatenation. All hidden states are kept when the last layer is needed
-    (that path uses `output_hidden_states`). Plus the [S, S] padding mask, and with a sharded
-    target the all-gathered current and prefetched layers."""
+    (that path uses `output_hidden_states`). Distillation runs every layer and keeps the final
+    hidden states too (one more [S, H]). Plus the [S, S] padding mask, and with a sharded target
+    the all-gathered current and prefetched layers."""
     if not run.online:
         return 0
     rows, context, h = shape.rows, shape.context, target.hidden_size
     deepest = max(draft.target_layer_ids)
     states = target.num_layers + 1 if deepest == target.num_layers - 1 else len(set(draft.target_layer_ids))
+    if run.distills and deepest != target.num_layers - 1:
+        states += 1  # the final hidden states
     working = 2 * h + target.query_width + 2 * target.key_value_width + 3 * target.intermediate_size
     per_token = max((states - 1) * h + h + working, states * h + draft.num_features * h)
     total = rows * context * (run.target_bytes * per_token + context)
