@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench gpu-check clean
+.PHONY: setup test lint demo compare bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ demo: setup
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
 		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
 		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
+
+# the equal-budget recipe comparison of the README (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
+# 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable)
+compare: setup
+	$(BIN)/python examples/compare_recipes.py
 
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from modeling_dflash2 import DFlash2DraftModel
+from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from tests.conftest import randomize
 from tests.test_trainer import make_trainer
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
@@ -180,6 +180,22 @@ def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
     assert report_file["lossless"] is True and report_file["prompts"] == 2
     assert report_file["benchmark"] == "custom" and report_file["skipped_for_length"] == 0
     assert "| target alone |" in capsys.readouterr().out
+
+
+def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, saved):
+    from examples import evaluate
+
+    (tmp_path / "prompts.txt").write_text("hi how are you\n")
+    common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]
+    report = evaluate.main([*common, "--draft", str(saved / "draft"), "--paths", "selector"])
+    assert set(report["paths"]) == {"trained/selector"}
+    config = DFlash2Config.from_pretrained(saved / "draft")
+    config.architectures = ["DFlashDraftModel"]
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        config.dflash_config.pop(name)
+    DFlashDraftModel(DFlash2Config(**config.to_dict())).save_pretrained(tmp_path / "v1")
+    report = evaluate.main([*common, "--draft", str(tmp_path / "v1"), "--compare-untrained"])
+    assert set(report["paths"]) == {"untrained/unary", "trained/unary"} and report["lossless"] is True
 
 
 def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved):

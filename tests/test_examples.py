@@ -23,3 +23,16 @@ def test_prepare_then_train_reuses_the_offline_features(tmp_path, monkeypatch, c
     assert summary["untrained"]["eval_tau_unary"] == 1.0  # step-0 evaluation of the untrained draft
     assert metrics["eval_loss"] == summary["trained"]["eval_loss"]
     assert (tmp_path / "output" / "model.safetensors").exists()
+
+
+def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
+    """The recipe comparison's DFlash v1 baseline: a config without conv and selector builds the v1
+    class (a DFlash2 class would give it identity convs and a no-op selector it never had)."""
+    from examples.compare_recipes import DRAFT_CONFIG, v1_config
+    from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
+    from trainer.arguments import ModelArguments
+
+    (tmp_path / "v1.json").write_text(json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text()))))
+    draft = train.build_draft(ModelArguments(target="unused", draft_config=str(tmp_path / "v1.json")))
+    assert type(draft) is DFlashDraftModel
+    assert type(train.build_draft(ModelArguments(target="unused", draft_config=str(DRAFT_CONFIG)))) is DFlash2DraftModel
