@@ -430,3 +430,22 @@ def test_cli_embeds_one_evaluation_report_per_benchmark(tmp_path, target, draft)
     )
     card = (Path(out) / "README.md").read_text()
     assert "### Speculative decoding: heldout" in card and "### Speculative decoding: humaneval" in card
+
+
+@pytest.mark.parametrize(
+    ("training", "expected"),
+    [
+        ({"loss_type": "ce"}, "loss `ce`, selector α"),
+        ({"loss_type": "kd"}, "loss `kd` with distillation from the target (weight 1, temperature 1), selector"),
+        (
+            {"loss_type": "ce", "kd_weight": 0.5, "kd_temperature": 2.0},
+            "loss `ce` with distillation from the target (weight 0.5, temperature 2), selector",
+        ),
+    ],
+)
+def test_model_card_names_the_distillation_the_draft_was_trained_with(training, expected):
+    from trainer.model_card import render_model_card
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "hub_configs" / "smollm2-135m-dflash2.json").read_text())
+    card = render_model_card(config, None, {"training_arguments": training}, {}, None)
+    assert expected in str(card)

@@ -330,7 +330,7 @@ def test_a_decoder_without_a_layers_list_runs_whole_with_one_warning(caplog):
     assert caplog.text.count("GPT2Model has no `layers` ModuleList: capture runs the whole target.") == 1
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])  # gemma2: a soft-capped head
 def test_final_hidden_states_are_what_the_lm_head_reads(kind):
     """Distillation's teacher: capture(final_hidden=True) keeps the same features (truncated or not)
     and adds the backbone's final-normed output, from which the LM head gives the target's logits."""

@@ -77,6 +77,17 @@ def _evaluation_table(evaluation: dict[str, Any] | None, reports: Reports) -> st
     return "\n\n".join(sections) if sections else "No evaluation was recorded with this checkpoint."
 
 
+def _distillation(training: dict[str, Any]) -> str:
+    """`, distillation weight w at temperature T` when the recipe distilled from the target."""
+    weight = training.get("kd_weight")
+    if weight is None:
+        weight = 1.0 if training.get("loss_type") == "kd" else 0.0
+    if not weight:
+        return ""
+    temperature = training.get("kd_temperature", 1.0)
+    return f" with distillation from the target (weight {weight:g}, temperature {temperature:g})"
+
+
 def render_model_card(
     config: dict[str, Any],
     target: Any,
@@ -158,7 +169,7 @@ and `temperature`/`top_p`/`top_k` sample from the target's distribution. Without
 
 Trained with dflash2-hub for {record.get("global_step", "an unrecorded number of")} steps
 (learning rate {training.get("learning_rate", "n/a")}, {training.get("num_anchors", "n/a")} anchors per sequence,
-loss `{training.get("loss_type", "n/a")}`, selector α {training.get("selector_alpha", "n/a")}).
+loss `{training.get("loss_type", "n/a")}`{_distillation(training)}, selector α {training.get("selector_alpha", "n/a")}).
 The full recipe and library versions are in `dflash2_provenance.json`.
 
 ## Evaluation
