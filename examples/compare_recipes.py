@@ -182,6 +182,36 @@ def render_table(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+DEFAULT_RECIPE = "dflash2-ce"
+DECIDING_FIGURE = "heldout_tau"
+
+
+def beats_beyond_spread(challenger: dict[str, Any], default: dict[str, Any], key: str = DECIDING_FIGURE) -> bool:
+    """Whether `challenger`'s mean beats `default`'s by more than their two spreads together (their
+    mean ± spread intervals do not overlap): the bar for changing the default recipe."""
+    margin = challenger[key]["mean"] - default[key]["mean"]
+    return margin > challenger[key]["spread"] + default[key]["spread"]
+
+
+def verdict(table: dict[str, dict[str, Any]]) -> str:
+    """One line per recipe against the default, on real held-out τ of the served path."""
+    if DEFAULT_RECIPE not in table:
+        return ""
+    default = table[DEFAULT_RECIPE]
+    lines = []
+    for recipe, row in table.items():
+        if recipe == DEFAULT_RECIPE:
+            continue
+        margin = row[DECIDING_FIGURE]["mean"] - default[DECIDING_FIGURE]["mean"]
+        spread = row[DECIDING_FIGURE]["spread"] + default[DECIDING_FIGURE]["spread"]
+        outcome = "beats" if beats_beyond_spread(row, default) else "does not beat"
+        lines.append(
+            f"- {recipe} {outcome} {DEFAULT_RECIPE} beyond the seed spread on held-out τ "
+            f"({margin:+.3f} against a combined spread of {spread:.3f})"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", choices=tuple(RECIPES), default=list(RECIPES))
@@ -199,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         for recipe in args.recipes:
             results[recipe][seed] = run_one(recipe, seed, output)
     table = aggregate(results)
-    markdown = render_table(table)
+    markdown = render_table(table) + "\n" + verdict(table)
     text = json.dumps({"recipes": table, "runs": results}, indent=2)
     write_file_atomically(output / "comparison.json", lambda temporary: temporary.write_text(text))
     write_file_atomically(output / "comparison.md", lambda temporary: temporary.write_text(markdown))

@@ -116,3 +116,18 @@ def test_a_comparison_resumes_without_repeating_finished_stages(tmp_path, monkey
     assert len(commands) == 5
     saved = json.loads((output / "comparison.json").read_text())
     assert saved["runs"]["dflash2-kd"]["1"]["heldout_tau"] == 2.0
+
+
+def test_the_default_changes_only_beyond_the_seed_spread():
+    """2.5 ± 0.1 against 2.2 ± 0.1 wins (0.3 > 0.2); 2.35 ± 0.1 does not (0.15 <= 0.2)."""
+
+    def row(mean, spread):
+        return {compare_recipes.DECIDING_FIGURE: {"mean": mean, "spread": spread}}
+
+    default = row(2.2, 0.1)
+    assert compare_recipes.beats_beyond_spread(row(2.5, 0.1), default)
+    assert not compare_recipes.beats_beyond_spread(row(2.35, 0.1), default)
+    assert not compare_recipes.beats_beyond_spread(row(1.9, 0.0), default)
+    lines = compare_recipes.verdict({"dflash2-ce": default, "dflash2-kd": row(2.5, 0.1), "dflash-ce": row(2.35, 0.1)})
+    assert "- dflash2-kd beats dflash2-ce beyond the seed spread on held-out τ (+0.300" in lines
+    assert "- dflash-ce does not beat dflash2-ce beyond the seed spread on held-out τ (+0.150" in lines
