@@ -240,3 +240,28 @@ def test_distillation_honours_the_drafts_logit_transform():
     with torch.no_grad():
         expected = naive_loss(model, hidden, blocks, head, config, 1.0, target_final)
     torch.testing.assert_close(result.loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_under_autocast_runs_on_the_16_bit_head_as_it_is():
+    """Mixed precision: fp32 draft and teacher states, a bf16 head. Both heads' GEMMs run in bf16 on
+    the head itself, the result matches the fp32 computation to bf16 rounding, and the gradient
+    reaching the draft is fp32."""
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(6, 16, generator=generator, requires_grad=True)
+    teacher = torch.randn(6, 16, generator=generator)
+    weight = torch.randn(64, 16, generator=generator).to(torch.bfloat16)
+    labels = torch.randint(0, 64, (6,), generator=generator)
+    ones = torch.ones(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head = fused_unary_cross_entropy(
+            hidden, weight, labels, lambda nll: ones, distillation=Distillation(teacher, 0.5, 2.0)
+        )
+        head.numerator.backward()
+    assert hidden.grad.dtype == torch.float32 and torch.isfinite(hidden.grad).all()
+    rounded = weight.float()
+    expected, kl = _plain(
+        hidden.detach().to(torch.bfloat16).float(), teacher.to(torch.bfloat16).float(), rounded, labels, ones,
+        1.0, None, 0.5, 2.0,
+    )  # fmt: skip
+    torch.testing.assert_close(head.numerator, expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(head.kd, kl, rtol=2e-2, atol=2e-2)

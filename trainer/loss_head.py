@@ -77,8 +77,10 @@ def _distillation(
     log_q = unary / temperature
     log_q.sub_(log_q.logsumexp(dim=-1, keepdim=True))
     p = log_p.exp()
-    # KL = sum p (log p - log q) as two row-wise dot products: no third [R, V] buffer
-    kl = torch.einsum("rv,rv->r", p, log_p) - torch.einsum("rv,rv->r", p, log_q)
+    # KL = sum p (log p - log q) as two row-wise dot products (no third [R, V] buffer), in fp32 even
+    # under autocast, which would run einsum in 16 bits
+    with torch.autocast(unary.device.type, enabled=False):
+        kl = torch.einsum("rv,rv->r", p, log_p) - torch.einsum("rv,rv->r", p, log_q)
     del log_p, teacher
     gradient = log_q.exp_().sub_(p).mul_(temperature)
     return kl * temperature**2, gradient
