@@ -4,8 +4,9 @@ Model FLOPs count the useful work of forward and backward: trainable layers cost
 (input and weight gradients); the frozen LM head 2x (forward, and the gradient with respect to the
 hidden states only); `fc` 2x (its input, the target's features, needs no gradient). Attention is
 counted over visible (query, key) pairs only, the LM head over scored slots 1..B-1 of blocks that
-carry a scored slot. Hardware FLOPs add what the implementation recomputes: the selector term's
-forward under activation checkpointing.
+carry a scored slot; distillation adds the teacher's logits through the same head, forward only
+(1x). A DFlash v1 draft has no convolutions and no selector. Hardware FLOPs add what the
+implementation recomputes: the selector term's forward under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -23,18 +24,19 @@ class StepFlops:
     fc_forward: int
     lm_head_forward: int
     selector_forward: int
+    teacher_forward: int = 0  # distillation: the target's logits for the same rows
 
     @property
     def model(self) -> int:
         trainable = self.linear_forward + self.attention_forward + self.selector_forward
-        return 3 * trainable + 2 * (self.fc_forward + self.lm_head_forward)
+        return 3 * trainable + 2 * (self.fc_forward + self.lm_head_forward) + self.teacher_forward
 
     @property
     def hardware(self) -> int:
         return self.model + self.selector_forward
 
 
-def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
+def step_flops(setup: StepSetup, batch: SyntheticBatch, distills: bool = False) -> StepFlops:
     config = setup.config
     settings = config.dflash_settings
     hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -54,19 +56,23 @@ def step_flops(setup: StepSetup, batch: SyntheticBatch) -> StepFlops:
         flops += 2 * queries * heads * head_dim * hidden  # o
         attention += 2 * 2 * heads * head_dim * visible  # scores and values over visible pairs
         flops += 3 * 2 * queries * hidden * inner  # SwiGLU
-        groups = hidden // settings.conv_group_size
-        kernel = settings.conv_kernel_size
-        flops += 2 * (2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden)  # two convs
+        if settings.is_dflash2:
+            groups = hidden // settings.conv_group_size
+            kernel = settings.conv_kernel_size
+            flops += 2 * (2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden)  # two convs
     weights = batch.blocks.weights.reshape(-1, settings.block_size)
     active_blocks = int((weights.sum(-1) > 0).sum())
     proposal_rows = active_blocks * (settings.block_size - 1)  # slot 0, the anchor, is never scored
     lm_head = 2 * proposal_rows * hidden * vocab
-    rank, top_k = settings.selector_rank, settings.selector_top_k
-    selector = 2 * proposal_rows * hidden * rank + 2 * proposal_rows * top_k * hidden + 4 * proposal_rows * top_k * rank
+    selector = 0
+    if settings.is_dflash2:
+        rank, top_k = settings.selector_rank, settings.selector_top_k
+        selector = 2 * proposal_rows * (hidden * rank + top_k * hidden + 2 * top_k * rank)
     return StepFlops(
         linear_forward=flops,
         attention_forward=attention,
         fc_forward=fc,
         lm_head_forward=lm_head,
         selector_forward=selector,
+        teacher_forward=lm_head if distills else 0,
     )

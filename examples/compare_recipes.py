@@ -15,12 +15,15 @@ Each run is then decoded for real with examples/evaluate.py on the held-out chat
 path and unary path) and on the first HumanEval problems (served path: the selector walk for
 DFlash2, the unary argmax for v1). A finished run keeps its numbers in <run>/comparison_run.json
 and is not repeated, so an interrupted comparison resumes where it stopped. The table (mean ±
-sample standard deviation over seeds) goes to <output>/comparison.md and .json.
+sample standard deviation over seeds; s / step is wall-clock on the machine as loaded, GFLOP / step
+the deterministic cost of one step at the demo's shape) goes to <output>/comparison.md and .json,
+with the verdict against the default recipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -42,10 +45,10 @@ RUN_FILE = "comparison_run.json"
 DFLASH2_ONLY_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 RECIPES: dict[str, dict[str, Any]] = {
-    "dflash-ce": {"v1": True, "flags": []},
-    "dflash2-ce": {"v1": False, "flags": []},
-    "dflash2-kd": {"v1": False, "flags": ["--loss_type", "kd"]},
-    "dflash2-ce+kd": {"v1": False, "flags": ["--kd_weight", "0.5"]},
+    "dflash-ce": {"v1": True, "distills": False, "flags": []},
+    "dflash2-ce": {"v1": False, "distills": False, "flags": []},
+    "dflash2-kd": {"v1": False, "distills": True, "flags": ["--loss_type", "kd"]},
+    "dflash2-ce+kd": {"v1": False, "distills": True, "flags": ["--kd_weight", "0.5"]},
 }
 # Held out from training by the recipe (its last 32 chitchat prompts); decoded with 32 new tokens.
 HELDOUT_PROMPTS = 16
@@ -147,6 +150,19 @@ def run_one(recipe: str, seed: int, output: Path) -> dict[str, float]:
     return numbers
 
 
+def step_gflops(recipe: str) -> float:
+    """Model GFLOP of one training step at the demo's step shape (benchmarks' SmolLM2 setup: 4 rows
+    of 160 tokens, 16 anchors): the machine-independent cost of a recipe's step."""
+    from benchmarks.flops import step_flops
+    from benchmarks.setups import smollm2_setup, synthetic_batch
+    from modeling_dflash2 import DFlash2Config
+
+    setup = smollm2_setup()
+    if RECIPES[recipe]["v1"]:
+        setup = dataclasses.replace(setup, config=DFlash2Config(**v1_config(json.loads(DRAFT_CONFIG.read_text()))))
+    return step_flops(setup, synthetic_batch(setup), distills=RECIPES[recipe]["distills"]).model / 1e9
+
+
 def mean_and_spread(values: Sequence[float]) -> tuple[float, float]:
     """(mean, sample standard deviation); the spread of a single value is 0."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -174,11 +190,12 @@ def aggregate(results: dict[str, dict[int, dict[str, float]]]) -> dict[str, dict
 
 
 def render_table(table: dict[str, dict[str, Any]]) -> str:
-    header = "| recipe | seeds | " + " | ".join(title for _, title in COLUMNS) + " |"
-    lines = [header, "|" + "---|" * (len(COLUMNS) + 2)]
+    header = "| recipe | seeds | " + " | ".join(title for _, title in COLUMNS) + " | GFLOP / step |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + 3)]
     for recipe, row in table.items():
         cells = [f"{row[key]['mean']:.3f} ± {row[key]['spread']:.3f}" for key, _ in COLUMNS]
-        lines.append(f"| {recipe} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+        gflops = f"{row['gflop_per_step']:.1f}" if "gflop_per_step" in row else "n/a"
+        lines.append(f"| {recipe} | {len(row['seeds'])} | " + " | ".join(cells) + f" | {gflops} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         for recipe in args.recipes:
             results[recipe][seed] = run_one(recipe, seed, output)
     table = aggregate(results)
+    for recipe, row in table.items():
+        row["gflop_per_step"] = step_gflops(recipe)
     markdown = render_table(table) + "\n" + verdict(table)
     text = json.dumps({"recipes": table, "runs": results}, indent=2)
     write_file_atomically(output / "comparison.json", lambda temporary: temporary.write_text(text))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -13,6 +14,7 @@ from benchmarks.loss_memory import MODES
 from benchmarks.naive import naive_step
 from benchmarks.op_count import count_step_ops
 from benchmarks.train_step import optimized_step
+from modeling_dflash2 import DFlash2Config
 from trainer.masks import attention_masks
 from trainer.objective import ObjectiveConfig, embed_draft_ids
 
@@ -79,3 +81,29 @@ def test_dflash2_step_at_the_demo_shape_launches_at_most_3000_aten_ops():
     counts = count_step_ops(setups.smollm2_setup())
     assert counts["total"] <= 3000, counts
     assert counts["backward"] > 0 and counts["objective"] > 0 and counts["draft_forward"] > 0
+
+
+def test_flop_count_of_a_v1_draft_and_of_distillation():
+    """v1: the same draft without the two convs per layer and the selector; distillation: one more
+    LM-head forward (the teacher's logits), no gradient."""
+    setup = setups.tiny_setup()
+    batch = setups.synthetic_batch(setup)
+    dflash2 = step_flops(setup, batch)
+    config = setup.config.to_dict()
+    config["architectures"] = ["DFlashDraftModel"]
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        config["dflash_config"].pop(name)
+    v1 = step_flops(dataclasses.replace(setup, name="tiny v1", config=DFlash2Config(**config)), batch)
+    assert v1.selector_forward == 0 and v1.lm_head_forward == dflash2.lm_head_forward
+    assert dflash2.linear_forward - v1.linear_forward == _conv_flops(setup, batch)
+    distilling = step_flops(setup, batch, distills=True)
+    assert distilling.model - dflash2.model == dflash2.lm_head_forward > 0
+
+
+def _conv_flops(setup, batch) -> int:
+    """Two convs per layer: the kernel projection (H -> 2 sides x k x G) and the k-tap application."""
+    config = setup.config
+    queries, hidden, kernel = batch.blocks.draft_ids.numel(), config.hidden_size, config.conv_kernel_size
+    groups = hidden // config.conv_group_size
+    per_conv = 2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden
+    return config.num_hidden_layers * 2 * per_conv

@@ -131,3 +131,13 @@ def test_the_default_changes_only_beyond_the_seed_spread():
     lines = compare_recipes.verdict({"dflash2-ce": default, "dflash2-kd": row(2.5, 0.1), "dflash-ce": row(2.35, 0.1)})
     assert "- dflash2-kd beats dflash2-ce beyond the seed spread on held-out τ (+0.300" in lines
     assert "- dflash-ce does not beat dflash2-ce beyond the seed spread on held-out τ (+0.150" in lines
+
+
+def test_step_cost_of_each_recipe():
+    """At the demo's step shape: v1 saves the convs and the selector (a little), distillation adds
+    one LM-head forward (the teacher's logits), whatever its weight."""
+    cost = {recipe: compare_recipes.step_gflops(recipe) for recipe in compare_recipes.RECIPES}
+    assert cost["dflash-ce"] < cost["dflash2-ce"] < 1.05 * cost["dflash-ce"]
+    assert cost["dflash2-kd"] == cost["dflash2-ce+kd"]
+    # 4 rows x 16 anchors x 7 scored slots, H = 576, V = 49152
+    assert cost["dflash2-kd"] - cost["dflash2-ce"] == pytest.approx(2 * 4 * 16 * 7 * 576 * 49152 / 1e9)
