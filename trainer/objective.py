@@ -1,7 +1,9 @@
 """The DFlash / DFlash2 training objective (docs/objective.md).
 
 Base loss: cross-entropy on the served unary logits `softcap(m * z)` with position weights
-(gamma decay `exp(-(k-1)/gamma)`, or D-PACE), in numerator and denominator. DFlash2 adds the
+(gamma decay `exp(-(k-1)/gamma)`, or D-PACE), in numerator and denominator; with distillation each
+slot's loss is `(1 - w) CE + w T^2 KL(target || draft)`, the target's distribution read from its
+final hidden states at the position before the slot. DFlash2 adds the
 selector's teacher-forced cross-entropy over the strict unary top-K, weighted like the base loss
 and added over the base denominator with `alpha_eff`:
 
