@@ -16,7 +16,7 @@ path and unary path) and on the first HumanEval problems (served path: the selec
 DFlash2, the unary argmax for v1). A finished run keeps its numbers in <run>/comparison_run.json
 and is not repeated, so an interrupted comparison resumes where it stopped. The table (mean ±
 sample standard deviation over seeds; s / step is wall-clock on the machine as loaded, GFLOP / step
-the deterministic cost of one step at the demo's shape) goes to <output>/comparison.md and .json,
+the deterministic cost of one step at the demo's shape) goes to <output>/comparison.{md,json},
 with the verdict against the default recipe.
 """
 
@@ -229,6 +229,11 @@ def verdict(table: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison_file(output: Path, kind: str) -> Path:
+    """`<output>/comparison.<kind>`, kind json (every number) or md (the table and the verdict)."""
+    return output / f"comparison.{kind}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", choices=tuple(RECIPES), default=list(RECIPES))
@@ -250,8 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         row["gflop_per_step"] = step_gflops(recipe)
     markdown = render_table(table) + "\n" + verdict(table)
     text = json.dumps({"recipes": table, "runs": results}, indent=2)
-    write_file_atomically(output / "comparison.json", lambda temporary: temporary.write_text(text))
-    write_file_atomically(output / "comparison.md", lambda temporary: temporary.write_text(markdown))
+    write_file_atomically(comparison_file(output, "json"), lambda temporary: temporary.write_text(text))
+    write_file_atomically(comparison_file(output, "md"), lambda temporary: temporary.write_text(markdown))
     print(markdown)
     return table
 

@@ -111,10 +111,10 @@ def test_a_comparison_resumes_without_repeating_finished_stages(tmp_path, monkey
     write_finished_run(output / "dflash2-kd" / "seed-1", stages=("train",))  # seed 1 stopped after training
     table = compare_recipes.main(["--recipes", "dflash2-kd", "--seeds", "0", "1", "--output", str(output)])
     assert len(commands) == 5 and sum(1 for command in commands if "--draft" not in command) == 1
-    assert table["dflash2-kd"]["seeds"] == [0, 1] and (output / "comparison.md").exists()
+    assert table["dflash2-kd"]["seeds"] == [0, 1] and compare_recipes.comparison_file(output, "md").exists()
     compare_recipes.main(["--recipes", "dflash2-kd", "--seeds", "0", "1", "--output", str(output)])
     assert len(commands) == 5
-    saved = json.loads((output / "comparison.json").read_text())
+    saved = json.loads(compare_recipes.comparison_file(output, "json").read_text())
     assert saved["runs"]["dflash2-kd"]["1"]["heldout_tau"] == 2.0
 
 
