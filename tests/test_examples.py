@@ -11,8 +11,11 @@ from tests.distributed.tiny_setup import write_tiny_run
 from trainer.target import FrozenTarget
 
 
-def test_prepare_then_train_reuses_the_offline_features(tmp_path, monkeypatch, capsys):
-    recipe = write_tiny_run(tmp_path, offline=True, save_strategy="no")
+@pytest.mark.parametrize("objective", [{}, {"kd_weight": 0.5}], ids=["ce", "distillation"])
+def test_prepare_then_train_reuses_the_offline_features(tmp_path, monkeypatch, capsys, objective):
+    """A distilling recipe's store also holds the final hidden states, so training still reads all
+    it needs from disk."""
+    recipe = write_tiny_run(tmp_path, offline=True, save_strategy="no", **objective)
     prepare.main([str(recipe)])
     assert "prepared 20 training and 4 evaluation samples" in capsys.readouterr().out
     monkeypatch.setattr(FrozenTarget, "capture", lambda *a, **k: pytest.fail("features were recomputed"))
