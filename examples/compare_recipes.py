@@ -153,6 +153,8 @@ def run_one(recipe: str, seed: int, output: Path) -> dict[str, float]:
 def step_gflops(recipe: str) -> float:
     """Model GFLOP of one training step at the demo's step shape (benchmarks' SmolLM2 setup: 4 rows
     of 160 tokens, 16 anchors): the machine-independent cost of a recipe's step."""
+    if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
+        sys.path.insert(0, str(REPO))
     from benchmarks.flops import step_flops
     from benchmarks.setups import smollm2_setup, synthetic_batch
     from modeling_dflash2 import DFlash2Config
