@@ -128,9 +128,22 @@ def test_the_default_changes_only_beyond_the_seed_spread():
     assert compare_recipes.beats_beyond_spread(row(2.5, 0.1), default)
     assert not compare_recipes.beats_beyond_spread(row(2.35, 0.1), default)
     assert not compare_recipes.beats_beyond_spread(row(1.9, 0.0), default)
-    lines = compare_recipes.verdict({"dflash2-ce": default, "dflash2-kd": row(2.5, 0.1), "dflash-ce": row(2.35, 0.1)})
-    assert "- dflash2-kd beats dflash2-ce beyond the seed spread on held-out τ (+0.300" in lines
-    assert "- dflash-ce does not beat dflash2-ce beyond the seed spread on held-out τ (+0.150" in lines
+    name = compare_recipes.DEFAULT_RECIPE
+    lines = compare_recipes.verdict({name: default, "dflash2-kd": row(2.5, 0.1), "dflash-ce": row(2.35, 0.1)})
+    assert f"- dflash2-kd beats {name} beyond the seed spread on held-out τ (+0.300" in lines
+    assert f"- dflash-ce does not beat {name} beyond the seed spread on held-out τ (+0.150" in lines
+
+
+def test_the_default_recipe_is_what_the_base_recipe_trains():
+    """The recipe the verdict judges against trains the base recipe's own objective and draft: the
+    embedded default (`make demo`, train.py with no arguments) and the comparison cannot drift apart."""
+    _, _, base = parse_arguments([str(compare_recipes.BASE_RECIPE)])
+    default = compare_recipes.DEFAULT_RECIPE
+    command = compare_recipes.train_command(default, 0, Path("run"), compare_recipes.DRAFT_CONFIG)
+    _, _, training_args = parse_arguments(command[2:])
+    assert training_args.objective_config() == base.objective_config()
+    assert base.objective_config().distills == compare_recipes.RECIPES[default]["distills"]
+    assert not compare_recipes.RECIPES[default]["v1"]
 
 
 def test_step_cost_of_each_recipe():
