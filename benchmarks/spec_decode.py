@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from trainer.data import end_of_turn_ids, prompt_conversation
+from trainer.chat import end_of_turn_ids
 from trainer.evaluation import evaluate_paths
 from trainer.loading import load_draft
+from trainer.regeneration import prompt_conversation
 from trainer.target import FrozenTarget
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.data import end_of_turn_ids
 from trainer.evaluation import evaluate_paths, plot_report, render_markdown
 from trainer.fileio import write_file_atomically
 from trainer.loading import DRAFT_CLASSES, load_draft

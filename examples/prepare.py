@@ -1,8 +1,12 @@
 """Build a recipe's datasets ahead of training: `python examples/prepare.py recipe.yaml [--key value ...]`.
 
-Runs the target once to answer the prompts (`regenerate`) and, with `offline: true`, to capture its
-hidden states into the cache; `train.py` with the same recipe then reuses both instead of
-recomputing them (e.g. a CPU or a separate GPU job prepares, the training job only reads).
+Runs the target once to answer the prompts (`regenerate`, in process or through
+`regenerate_endpoint`) and, with `offline: true`, to capture its hidden states into the cache;
+`train.py` with the same recipe then reuses both instead of recomputing them (e.g. a CPU or a
+separate GPU job prepares, the training job only reads).
+
+`--regenerate-only` stops after the answers: through an endpoint it loads only the target's
+tokenizer, so a machine without GPUs can drive a vLLM / SGLang fleet for days, resumably.
 """
 
 from __future__ import annotations
@@ -16,13 +20,30 @@ from examples.train import DEFAULT_RECIPE, resolve_path
 from modeling_dflash2 import DFlash2Config
 from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.data import build_datasets
-from trainer.target import FrozenTarget
+from trainer.data import build_datasets, token_datasets
+from trainer.target import FrozenTarget, TargetTokenizer
+
+REGENERATE_ONLY = "--regenerate-only"
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DEFAULT_RECIPE)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    regenerate_only = REGENERATE_ONLY in argv
+    argv = [flag for flag in argv if flag != REGENERATE_ONLY]
+    model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if regenerate_only:
+        if not data_args.regenerate:
+            raise ValueError(f"{REGENERATE_ONLY}: the recipe does not regenerate (regenerate: false)")
+        if data_args.regenerate_endpoint:
+            target = TargetTokenizer.load(model_args.target, model_args.target_gguf_file)
+        else:
+            target = FrozenTarget.load(
+                model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
+            )
+        train, evaluation = token_datasets(data_args, target)
+        print(f"regenerated {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
+        return
     target = FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
     )

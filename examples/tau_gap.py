@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.data import end_of_turn_ids
 from trainer.fileio import write_file_atomically
 from trainer.loading import DRAFT_CLASSES, load_draft
 from trainer.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts

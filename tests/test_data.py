@@ -13,6 +13,7 @@ import yaml
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_conversations, tiny_target
 from trainer import data as data_module
+from trainer import regeneration as regeneration_module
 from trainer.arguments import DataArguments
 from trainer.data import (
     DFlashCollator,
@@ -111,7 +112,7 @@ def test_regenerated_responses_are_the_targets_own_greedy_tokens(target, tmp_pat
         assert dataset[row]["input_ids"] == prompt + expected
         assert dataset[row]["loss_mask"] == [0] * len(prompt) + [1] * len(expected)
     # cached: a second call must not generate again
-    monkeypatch.setattr(data_module, "_generate_batch", lambda *a, **k: pytest.fail("regenerated"))
+    monkeypatch.setattr(regeneration_module, "_generate_batch", lambda *a, **k: pytest.fail("regenerated"))
     again = regenerate(target, prompts, settings, tmp_path)
     assert again["input_ids"] == dataset["input_ids"]
     # a different setting is a different cache entry

@@ -77,6 +77,21 @@ class DataArguments:
     generation_temperature: float = 0.0
     generation_top_p: float = 1.0
     generation_batch_size: int = 16
+    regenerate_endpoint: str | None = field(
+        default=None,
+        metadata={"help": "OpenAI-compatible base URL (vLLM / SGLang, e.g. http://host:8000/v1) that answers instead."},
+    )
+    regenerate_model: str | None = field(
+        default=None, metadata={"help": "The target's served model name; unset: the one model the endpoint serves."}
+    )
+    regenerate_concurrency: int = field(default=64, metadata={"help": "Requests in flight to the endpoint."})
+    regenerate_timeout: float = field(default=600.0, metadata={"help": "Seconds one endpoint request may take."})
+    regenerate_max_retries: int = field(
+        default=8, metadata={"help": "Retries of a request the endpoint fails (429, 5xx, timeouts), with backoff."}
+    )
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes for tokenising and filtering (datasets' num_proc); unset: one."}
+    )
     system_prompt: str | None = None
     enable_thinking: bool | None = None
     offline: bool = field(

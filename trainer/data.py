@@ -1,4 +1,5 @@
-"""Training data: chat -> tokens + assistant loss mask, target-regenerated responses, offline features.
+"""Training data: chat -> tokens + assistant loss mask, target-regenerated responses
+(trainer/regeneration.py), offline features.
 
 Every dataset here is map-style (a `datasets.Dataset` or an indexable torch dataset), so Trainer's
 resume skips exactly the consumed samples. Samples carry `input_ids` and `loss_mask` (1 on tokens
@@ -11,7 +12,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from trainer.blocks import valid_anchor_mask
+from trainer.chat import end_of_turn_ids, tokenize_chat
+from trainer.endpoint import EndpointSettings
 from trainer.fileio import default_cache_root, digest, require_existing_path, write_directory_atomically
+from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.target import FrozenTarget
+
+__all__ = ["end_of_turn_ids", "prompt_conversation", "tokenize_chat"]  # re-exported for callers of trainer.data
 
 logger = logging.getLogger(__name__)
 
@@ -58,101 +63,57 @@ def chitchat_prompts() -> list[str]:
     return prompts
 
 
-def split_prompts(prompts: list[str], eval_count: int) -> tuple[list[str], list[str]]:
-    """Hold out the last `eval_count` prompts (a fixed, reproducible split)."""
+class ConversationRows(Sequence):
+    """The conversations of one dataset column, read a row at a time from the (memory-mapped)
+    dataset; a prompt column reads as one-turn conversations. Slicing gives a view, so the
+    held-out split and `num_train_samples` never copy the data: regeneration works on datasets
+    larger than memory."""
+
+    def __init__(self, dataset: datasets.Dataset, column: str, system_prompt: str | None = None, prompts: bool = False):
+        self.dataset, self.column = dataset.select_columns([column]), column
+        self.system_prompt, self.prompts = system_prompt, prompts
+        self.rows: range = range(len(dataset))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            view = object.__new__(ConversationRows)
+            view.__dict__.update(self.__dict__, rows=self.rows[index])
+            return view
+        value = self.dataset[self.rows[index]][self.column]
+        return prompt_conversation(value, self.system_prompt) if self.prompts else value
+
+
+def split_held_out(items: Sequence, eval_count: int) -> tuple[Sequence, Sequence]:
+    """Hold out the last `eval_count` items (a fixed, reproducible split)."""
     if eval_count <= 0:
-        return prompts, []
-    return prompts[:-eval_count], prompts[-eval_count:]
+        return items, items[:0]
+    return items[:-eval_count], items[-eval_count:]
 
 
-# ---------------------------------------------------------------------------------------------
-# Chat templating and loss masks
-# ---------------------------------------------------------------------------------------------
+def _truncated(batch: dict[str, list], max_length: int) -> dict[str, list]:
+    return {key: [values[:max_length] for values in batch[key]] for key in ("input_ids", "loss_mask")}
 
 
-def template_kwargs(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool | None) -> dict[str, Any]:
-    """`enable_thinking` is passed only to templates that have the switch; asking for it on a
-    template without one is an error rather than a silent no-op."""
-    if enable_thinking is None:
-        return {}
-    if "enable_thinking" not in (tokenizer.chat_template or ""):
-        raise ValueError("enable_thinking is set but this tokenizer's chat template has no thinking switch.")
-    return {"enable_thinking": enable_thinking}
+def _has_anchor(batch: dict[str, list]) -> list[bool]:
+    return [bool(valid_anchor_mask(torch.tensor([mask])).any()) for mask in batch["loss_mask"]]
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, extra: dict[str, Any]) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True, **extra
-        )["input_ids"]
-    )
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
-    return ids
-
-
-def tokenize_chat(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[dict[str, str]],
-    enable_thinking: bool | None = None,
-) -> dict[str, list[int]]:
-    """Token ids of a conversation and a loss mask that is 1 exactly on assistant tokens.
-
-    Templates with `{% generation %}` markers report the assistant tokens themselves; otherwise
-    each assistant turn is located by incremental templating: the tokens added between
-    `template(messages[:i], add_generation_prompt=True)` and `template(messages[:i+1])`, up to and
-    including the end-of-turn token.
-    """
-    extra = template_kwargs(tokenizer, enable_thinking)
-    if "{% generation %}" in (tokenizer.chat_template or "") or "{%- generation %}" in (tokenizer.chat_template or ""):
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
-        )
-        return {"input_ids": list(rendered["input_ids"]), "loss_mask": list(rendered["assistant_masks"])}
-    input_ids = _render(tokenizer, messages, False, extra)
-    loss_mask = [0] * len(input_ids)
-    end_of_turn = end_of_turn_ids(tokenizer)
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prefix = _render(tokenizer, messages[:index], True, extra)
-        through = _render(tokenizer, messages[: index + 1], False, extra)
-        if through[: len(prefix)] != prefix or input_ids[: len(through)] != through:
-            raise ValueError(
-                f"Cannot locate assistant turn {index} by incremental templating: the chat template renders "
-                "earlier turns differently once later ones exist. Use a template with {% generation %} markers."
-            )
-        end = len(through)
-        for position in range(len(prefix), len(through)):
-            if through[position] in end_of_turn:
-                end = position + 1
-                break
-        loss_mask[len(prefix) : end] = [1] * (end - len(prefix))
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
-
-
-def truncate_and_filter(dataset: datasets.Dataset, max_length: int, name: str = "dataset") -> datasets.Dataset:
+def truncate_and_filter(
+    dataset: datasets.Dataset, max_length: int, name: str = "dataset", num_proc: int | None = None
+) -> datasets.Dataset:
     """Truncate to `max_length` and drop samples left without a valid anchor (count logged); `name`
-    says which dataset the error is about when none is left."""
-
-    def truncate(sample):
-        return {"input_ids": sample["input_ids"][:max_length], "loss_mask": sample["loss_mask"][:max_length]}
-
-    dataset = dataset.map(truncate, desc="truncating")
+    says which dataset the error is about when none is left. Batched `datasets` maps (cached on
+    disk, `num_proc` processes), so a large dataset is never held in memory."""
+    dataset = dataset.map(
+        _truncated, batched=True, fn_kwargs={"max_length": max_length}, num_proc=num_proc, desc="truncating"
+    )
     before = len(dataset)
-
-    def has_anchor(sample) -> bool:
-        return bool(valid_anchor_mask(torch.tensor([sample["loss_mask"]])).any())
-
-    dataset = dataset.filter(has_anchor, desc="dropping samples without a valid anchor")
+    dataset = dataset.filter(
+        _has_anchor, batched=True, num_proc=num_proc, desc="dropping samples without a valid anchor"
+    )
     dropped = before - len(dataset)
     if dropped:
         logger.warning("Dropped %d of %d samples with no two adjacent supervised tokens.", dropped, before)
@@ -164,142 +125,30 @@ def truncate_and_filter(dataset: datasets.Dataset, max_length: int, name: str = 
     return dataset
 
 
+def _tokenized(batch: dict[str, list], tokenizer, column: str, enable_thinking: bool | None) -> dict[str, list]:
+    samples = [tokenize_chat(tokenizer, messages, enable_thinking) for messages in batch[column]]
+    return {"input_ids": [s["input_ids"] for s in samples], "loss_mask": [s["loss_mask"] for s in samples]}
+
+
 def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     conversations: datasets.Dataset,
     messages_column: str = "messages",
     enable_thinking: bool | None = None,
+    num_proc: int | None = None,
 ) -> datasets.Dataset:
+    """Token ids and loss masks of every conversation: a batched `datasets.map`, cached on disk
+    under its fingerprint (a rerun reuses it) and spread over `num_proc` processes."""
     if messages_column not in conversations.column_names:
         raise ValueError(f"chat dataset has no '{messages_column}' column (columns: {conversations.column_names}).")
     return conversations.map(
-        lambda sample: tokenize_chat(tokenizer, sample[messages_column], enable_thinking),
+        _tokenized,
+        batched=True,
+        fn_kwargs={"tokenizer": tokenizer, "column": messages_column, "enable_thinking": enable_thinking},
         remove_columns=conversations.column_names,
+        num_proc=num_proc,
         desc="applying the chat template",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses regenerated by the target (on-policy data)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 256
-    max_prompt_length: int = 1024
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    batch_size: int = 16
-    seed: int = 0
-    enable_thinking: bool | None = None
-
-
-def prompt_conversation(prompt: str, system_prompt: str | None = None) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*messages, {"role": "user", "content": prompt}]
-
-
-def conversation_prefix(messages: Sequence[dict[str, str]]) -> list[dict[str, str]]:
-    """The messages before the first assistant turn: what the target is asked to answer."""
-    prefix = []
-    for message in messages:
-        if message["role"] == "assistant":
-            break
-        prefix.append({"role": message["role"], "content": message["content"]})
-    if not prefix:
-        raise ValueError("a conversation starts with an assistant turn: nothing to regenerate from")
-    return prefix
-
-
-@torch.no_grad()
-def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: GenerationSettings, batch_index: int):
-    tokenizer = target.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):  # left padding, once per batch
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    sampling = settings.temperature > 0
-    generator_kwargs: dict[str, Any] = {"do_sample": sampling}
-    if sampling:
-        torch.manual_seed(settings.seed * 1_000_003 + batch_index)
-        generator_kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
-    else:
-        generator_kwargs.update(temperature=None, top_p=None, top_k=None)
-    end_of_turn = sorted(end_of_turn_ids(tokenizer))
-    output = target.model.generate(
-        input_ids=input_ids.to(target.device),
-        attention_mask=attention_mask.to(target.device),
-        max_new_tokens=settings.max_new_tokens,
-        eos_token_id=end_of_turn,
-        pad_token_id=pad_id,
-        **generator_kwargs,
-    )
-    responses = []
-    for row in output[:, width:].tolist():
-        cut = next((i + 1 for i, token in enumerate(row) if token in end_of_turn), len(row))
-        responses.append(row[:cut])
-    return responses
-
-
-def regenerate(
-    target: FrozenTarget,
-    prompts: list[list[dict[str, str]]],
-    settings: GenerationSettings,
-    cache_root: Path,
-    name: str = "dataset",
-) -> datasets.Dataset:
-    """Prompt conversations -> answered by the target itself, as token ids (on-policy data).
-
-    `input_ids` = templated prompt + the generated tokens (through the end-of-turn token);
-    `loss_mask` is 1 on the generated tokens. Cached with `save_to_disk` under a key of the target,
-    the prompts, the settings and the chat template; a cached result is reused as is. `name` says
-    which dataset the error is about when no prompt fits `max_prompt_length`.
-    """
-    tokenizer = target.tokenizer
-    key = digest(
-        {
-            "target": target.fingerprint(),
-            "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest(),
-            "settings": asdict(settings),
-            "template": tokenizer.chat_template,
-        }
-    )
-    path = cache_root / "generated" / key
-    if (path / "dataset_info.json").exists():
-        logger.info("Reusing %d target-generated responses from %s", len(prompts), path)
-        return datasets.load_from_disk(str(path))
-    extra = template_kwargs(tokenizer, settings.enable_thinking)
-    prompt_ids = [_render(tokenizer, messages, True, extra) for messages in prompts]
-    kept = [index for index, ids in enumerate(prompt_ids) if len(ids) <= settings.max_prompt_length]
-    if not kept:
-        raise ValueError(
-            f"{name}: none of the {len(prompts)} prompts fits in max_prompt_length={settings.max_prompt_length} tokens"
-        )
-    if len(kept) < len(prompts):
-        logger.warning(
-            "Skipping %d of %d prompts longer than max_prompt_length=%d tokens.",
-            len(prompts) - len(kept),
-            len(prompts),
-            settings.max_prompt_length,
-        )
-        prompts, prompt_ids = [prompts[i] for i in kept], [prompt_ids[i] for i in kept]
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt": [], "response": []}
-    batches = range(0, len(prompts), settings.batch_size)
-    for batch_index, start in enumerate(tqdm(batches, desc="generating responses with the target")):
-        chunk = prompt_ids[start : start + settings.batch_size]
-        generated = _generate_batch(target, chunk, settings, batch_index)
-        for prompt, tokens, messages in zip(chunk, generated, prompts[start:], strict=False):
-            rows["input_ids"].append(prompt + tokens)
-            rows["loss_mask"].append([0] * len(prompt) + [1] * len(tokens))
-            rows["prompt"].append(messages[-1]["content"])
-            rows["response"].append(tokenizer.decode(tokens, skip_special_tokens=True))
-    dataset = datasets.Dataset.from_dict(rows)
-    write_directory_atomically(path, lambda directory: dataset.save_to_disk(str(directory)))
-    return datasets.load_from_disk(str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,15 +390,14 @@ def check_prompts(prompts: Iterable[Any], name: str, column: str) -> None:
             raise ValueError(f"dataset {name} row {row}: '{column}' is a {type(prompt).__name__}, not a string")
 
 
-def conversation_prefixes(conversations: Iterable[Sequence[dict[str, str]]], name: str) -> list[list[dict[str, str]]]:
-    """`conversation_prefix` of every row, naming the row that has none."""
-    prefixes = []
+def check_answerable(conversations: Iterable[Sequence[dict[str, str]]], name: str) -> None:
+    """Refuse the first conversation the target cannot answer (it opens with an assistant turn),
+    naming its row."""
     for row, messages in enumerate(conversations):
         try:
-            prefixes.append(conversation_prefix(messages))
+            answer_points(messages)
         except ValueError as error:
             raise ValueError(f"dataset {name} row {row}: {error}") from None
-    return prefixes
 
 
 def check_sample_counts(args) -> None:
@@ -607,38 +455,51 @@ def load_raw_dataset(spec: str, split: str) -> datasets.Dataset:
     return dataset
 
 
-def conversations_or_prompts(raw: datasets.Dataset, args) -> tuple[datasets.Dataset | None, list | None]:
-    """(chat dataset, None) to tokenize as is, or (None, prompt conversations) for the target to
-    answer; every row is validated first, so a bad one is named instead of failing in a template."""
+def conversations_or_prompts(raw: datasets.Dataset, args) -> tuple[datasets.Dataset | None, Sequence | None]:
+    """(chat dataset, None) to tokenize as is, or (None, conversations) for the target to answer,
+    read lazily from `raw`; every row is validated first (streaming), so a bad one is named instead
+    of failing in a template."""
     name, messages_column, prompt_column = args.dataset, args.messages_column, args.prompt_column
-    if messages_column in raw.column_names and not args.regenerate:
-        check_conversations(column_values(raw, messages_column), name, messages_column)
-        return raw, None
     if messages_column in raw.column_names:
-        conversations = list(column_values(raw, messages_column))
-        check_conversations(conversations, name, messages_column)
-        return None, conversation_prefixes(conversations, name)
+        check_conversations(column_values(raw, messages_column), name, messages_column)
+        if not args.regenerate:
+            return raw, None
+        check_answerable(column_values(raw, messages_column), name)
+        return None, ConversationRows(raw, messages_column)
     if prompt_column in raw.column_names:
         if not args.regenerate:
             raise ValueError(f"dataset {name} has prompts only ('{prompt_column}'): regenerate must be true")
-        prompts = list(column_values(raw, prompt_column))
-        check_prompts(prompts, name, prompt_column)
-        return None, [prompt_conversation(prompt, args.system_prompt) for prompt in prompts]
+        check_prompts(column_values(raw, prompt_column), name, prompt_column)
+        return None, ConversationRows(raw, prompt_column, args.system_prompt, prompts=True)
     raise ValueError(
         f"dataset {name} needs a '{messages_column}' or a '{prompt_column}' column; it has {raw.column_names}"
     )
 
 
-def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_hidden: bool = False):
-    """(train, eval or None) tokenized datasets, or offline datasets with stored target features
-    (with the target's final hidden states too when `final_hidden`, for distillation).
+def endpoint_settings(args) -> EndpointSettings | None:
+    """Where the target answers: through `regenerate_endpoint` when set, else in process (None)."""
+    if not args.regenerate_endpoint:
+        if args.regenerate_model:
+            raise ValueError("regenerate_model is set but regenerate_endpoint is not: set the endpoint's URL")
+        return None
+    if not args.regenerate:
+        raise ValueError("regenerate_endpoint is set but regenerate is false: nothing would be regenerated")
+    return EndpointSettings(
+        url=args.regenerate_endpoint,
+        model=args.regenerate_model,
+        concurrency=args.regenerate_concurrency,
+        timeout=args.regenerate_timeout,
+        max_retries=args.regenerate_max_retries,
+        chat_template_kwargs={} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking},
+    )
 
-    `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
-    answered by the target; the last `num_eval_samples` prompts/conversations are held out.
-    """
-    check_sample_counts(args)
-    cache_root = Path(args.cache_dir) if args.cache_dir else default_cache_root()
-    settings = GenerationSettings(
+
+def cache_root_of(args) -> Path:
+    return Path(args.cache_dir) if args.cache_dir else default_cache_root()
+
+
+def generation_settings(args) -> GenerationSettings:
+    return GenerationSettings(
         max_new_tokens=args.max_new_tokens,
         max_prompt_length=args.max_prompt_length,
         temperature=args.generation_temperature,
@@ -646,39 +507,64 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_h
         batch_size=args.generation_batch_size,
         enable_thinking=args.enable_thinking,
     )
+
+
+def token_datasets(args, target: FrozenTarget) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train, eval or None) token datasets (`input_ids`, `loss_mask`), truncated and filtered.
+
+    `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
+    answered by the target, in process or through `regenerate_endpoint`; the last
+    `num_eval_samples` prompts/conversations are held out.
+    """
+    check_sample_counts(args)
+    cache_root = cache_root_of(args)
+    settings, endpoint = generation_settings(args), endpoint_settings(args)
     if args.dataset == "chitchat":
         if not args.regenerate:
             raise ValueError("dataset 'chitchat' holds prompts only: regenerate must be true")
-        prompts = [prompt_conversation(p, args.system_prompt) for p in chitchat_prompts()]
-        conversations = None
+        conversations, chat = [prompt_conversation(p, args.system_prompt) for p in chitchat_prompts()], None
     else:
-        conversations, prompts = conversations_or_prompts(load_raw_dataset(args.dataset, args.dataset_split), args)
-    check_held_out(args.num_eval_samples, len(prompts if prompts is not None else conversations), args.dataset)
+        chat, conversations = conversations_or_prompts(load_raw_dataset(args.dataset, args.dataset_split), args)
+    check_held_out(args.num_eval_samples, len(conversations if chat is None else chat), args.dataset)
     train_name, eval_name = f"dataset {args.dataset} (train)", f"dataset {args.dataset} (eval)"
 
-    def held_out(items):
-        train, evaluation = split_prompts(list(items), args.num_eval_samples)
+    def held_out(items: Sequence) -> tuple[Sequence, Sequence]:
+        train, evaluation = split_held_out(items, args.num_eval_samples)
         return train[: args.num_train_samples] if args.num_train_samples else train, evaluation
 
-    if prompts is not None:
-        train_prompts, eval_prompts = held_out(prompts)
-        train = regenerate(target, train_prompts, settings, cache_root, train_name)
-        evaluation = regenerate(target, eval_prompts, settings, cache_root, eval_name) if eval_prompts else None
-    else:
-        train_rows, eval_rows = held_out(range(len(conversations)))
-        tokenized = tokenize_conversations(target.tokenizer, conversations, args.messages_column, args.enable_thinking)
-        train = tokenized.select(train_rows)
-        evaluation = tokenized.select(eval_rows) if eval_rows else None
-    train = truncate_and_filter(train.select_columns(["input_ids", "loss_mask"]), args.max_length, train_name)
-    if evaluation is not None:
-        evaluation = truncate_and_filter(
-            evaluation.select_columns(["input_ids", "loss_mask"]), args.max_length, eval_name
-        )
+    if chat is None:
+        train_conversations, eval_conversations = held_out(conversations)
+        train = regenerate(target, train_conversations, settings, cache_root, train_name, endpoint)
+        evaluation = None
+        if len(eval_conversations):
+            evaluation = regenerate(target, eval_conversations, settings, cache_root, eval_name, endpoint)
+    else:  # only the rows used are tokenized
+
+        def tokenized(rows: Sequence[int]) -> datasets.Dataset:
+            return tokenize_conversations(
+                target.tokenizer, chat.select(rows), args.messages_column, args.enable_thinking, args.dataset_num_proc
+            )
+
+        train_rows, eval_rows = held_out(range(len(chat)))
+        train = tokenized(train_rows)
+        evaluation = tokenized(eval_rows) if len(eval_rows) else None
+
+    def usable(dataset: datasets.Dataset, name: str) -> datasets.Dataset:
+        columns = dataset.select_columns(["input_ids", "loss_mask"])
+        return truncate_and_filter(columns, args.max_length, name, args.dataset_num_proc)
+
+    return usable(train, train_name), None if evaluation is None else usable(evaluation, eval_name)
+
+
+def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_hidden: bool = False):
+    """(train, eval or None) tokenized datasets (`token_datasets`), or offline datasets with stored
+    target features (with the target's final hidden states too when `final_hidden`, for distillation)."""
+    train, evaluation = token_datasets(args, target)
     if args.offline:
         dtype = getattr(torch, args.offline_dtype)
 
         def offline(tokens: datasets.Dataset) -> OfflineDataset:
-            store = prepare_features(target, tokens, layer_ids, cache_root, dtype, final_hidden=final_hidden)
+            store = prepare_features(target, tokens, layer_ids, cache_root_of(args), dtype, final_hidden=final_hidden)
             return OfflineDataset(tokens, store)
 
         train = offline(train)

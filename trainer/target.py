@@ -152,6 +152,25 @@ def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_roo
     return AutoModelForCausalLM.from_pretrained(converted, dtype=dtype), AutoTokenizer.from_pretrained(converted)
 
 
+class TargetTokenizer:
+    """The target's tokenizer and cache identity without its weights: all that regenerating through
+    an endpoint needs (a 70B target's weights stay on the serving machines). Its fingerprint is the
+    loaded target's, so the answers it caches are the ones training finds."""
+
+    model = None
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, source: TargetSource):
+        self.tokenizer, self.source = tokenizer, source
+
+    def fingerprint(self) -> str:
+        return self.source.fingerprint()
+
+    @classmethod
+    def load(cls, target: str, gguf_file: str | None = None) -> TargetTokenizer:
+        source = TargetSource.parse(target, gguf_file)
+        return cls(AutoTokenizer.from_pretrained(source.name_or_path, **source.load_kwargs), source)
+
+
 class FrozenTarget:
     """A causal LM held frozen and in eval mode; never trained, never saved with the draft."""
 

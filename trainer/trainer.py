@@ -28,6 +28,7 @@ from transformers import Trainer
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import DFlashTrainingArguments
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.chat import end_of_turn_ids
 from trainer.checkpoints import (
     STAGING_PREFIX,
     check_resumable,
@@ -38,7 +39,6 @@ from trainer.checkpoints import (
     staging_parent,
 )
 from trainer.compile import compile_decoder_layers
-from trainer.data import end_of_turn_ids
 from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
 from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
 from trainer.fileio import replace_files_atomically, write_file_atomically

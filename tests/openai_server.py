@@ -1,0 +1,176 @@
+"""A loopback OpenAI-compatible chat-completions server for tests, answering with a real target's
+greedy `generate` (what vLLM / SGLang would serve for that model).
+
+Routes: GET /v1/models, POST /v1/chat/completions (non-streaming; `usage.prompt_tokens` from the
+server's own templating), POST /tokenize (vLLM's and SGLang's, beside /v1; off with
+`tokenize=False`). Faults for the retry and resume tests: `fail_every = n` answers HTTP 503 to every
+n-th completion request; `die_after = n` stops the server abruptly after n answered completions
+(later connections are refused); `delay` slows every answer; `token_shift` makes /tokenize answer
+with other ids (another vocabulary behind the same template). `completions` counts the answered completion requests, and
+`asked` lists every conversation asked, to show nothing was asked twice.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from trainer.chat import end_of_turn_ids
+
+
+class LoopbackOpenAI:
+    def __init__(
+        self, target, model_name: str = "tiny-target", tokenize: bool = True, chat_template: str | None = None
+    ):
+        self.target, self.model_name, self.tokenize = target, model_name, tokenize
+        self.chat_template = chat_template  # another template: a server whose model is not the target
+        self.fail_every: int | None = None
+        self.die_after: int | None = None
+        self.delay = 0.0  # seconds added to every completion (slow answers)
+        self.token_shift = 0  # /tokenize ids shifted: a server with another vocabulary
+        self.completions = 0
+        self.requests = 0
+        self.in_flight = 0  # completions being computed now
+        self.asked: list[str] = []
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> LoopbackOpenAI:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.server.shutdown()
+        self.server.server_close()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until no completion is being computed (those of a killed client finish unheard)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    # -- what the model does ---------------------------------------------------------------------
+
+    def prompt_ids(self, messages, template_kwargs) -> list[int]:
+        tokenizer = self.target.tokenizer
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, chat_template=self.chat_template, **template_kwargs
+        )
+        return list(encoded["input_ids"])
+
+    @torch.no_grad()
+    def complete(self, request: dict) -> dict:
+        tokenizer = self.target.tokenizer
+        prompt = self.prompt_ids(request["messages"], request.get("chat_template_kwargs") or {})
+        stops = sorted(end_of_turn_ids(tokenizer))
+        with self.lock:  # one generate at a time on the shared model
+            output = self.target.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=request.get("max_tokens", 16),
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :].tolist()
+        stop = next((index for index, token in enumerate(output) if token in stops), None)
+        answer = output if stop is None else output[:stop]
+        return {
+            "id": "chatcmpl-loopback",
+            "object": "chat.completion",
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                    "finish_reason": "length" if stop is None else "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(output)},
+        }
+
+    # -- HTTP --------------------------------------------------------------------------------------
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
+                    self.close_connection = True
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
+                else:
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/tokenize" and server.tokenize:
+                    ids = server.target.tokenizer.encode(request["prompt"], add_special_tokens=False)
+                    ids = [token + server.token_shift for token in ids]
+                    self._send(200, {"tokens": ids, "count": len(ids)})
+                    return
+                if self.path != "/v1/chat/completions":
+                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                if request.get("model") != server.model_name:
+                    self._send(404, {"error": {"message": f"model {request.get('model')} does not exist"}})
+                    return
+                with server.lock:
+                    server.requests += 1
+                    failing = server.fail_every and server.requests % server.fail_every == 0
+                if failing:
+                    self._send(503, {"error": {"message": "busy"}})
+                    return
+                with server.lock:
+                    server.in_flight += 1
+                try:
+                    self._answer(request)
+                finally:
+                    with server.lock:
+                        server.in_flight -= 1
+
+            def _answer(self, request: dict) -> None:
+                time.sleep(server.delay)
+                answer = server.complete(request)
+                with server.lock:
+                    if server.die_after is not None and server.completions >= server.die_after:
+                        dying = True
+                    else:
+                        dying = False
+                        server.completions += 1
+                        server.asked.append(json.dumps(request["messages"], sort_keys=True))
+                if dying:  # the process is gone: no answer, and nobody listens any more
+                    self.close_connection = True
+                    threading.Thread(target=server.stop, daemon=True).start()
+                    return
+                self._send(200, answer)
+
+        return Handler

@@ -1,0 +1,269 @@
+"""trainer.regeneration / trainer.endpoint / trainer.response_journal: the target's answers in
+process and through a loopback OpenAI-compatible server (real `generate`), token for token; retries,
+resume after a dead server and after kill -9, nothing lost or duplicated; wrong models refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from tests.openai_server import LoopbackOpenAI
+from tests.tiny_target import tiny_target
+from trainer import regeneration as regeneration_module
+from trainer.endpoint import EndpointError, EndpointSettings
+from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
+from trainer.response_journal import ResponseJournal
+
+REPO = Path(__file__).resolve().parents[1]
+MULTI_TURN = [
+    {"role": "user", "content": "hi how are you"},
+    {"role": "assistant", "content": "i am fine thanks"},
+    {"role": "user", "content": "what is the capital of france"},
+    {"role": "assistant", "content": "paris"},
+]
+CONVERSATIONS = [
+    prompt_conversation("hello"),
+    prompt_conversation("tell me about the weather today"),
+    MULTI_TURN,
+    [{"role": "system", "content": "you like music"}, {"role": "user", "content": "what do you like"}],
+    prompt_conversation("good morning"),
+    [  # ends on a user turn: two answers, the second appended
+        {"role": "user", "content": "good evening"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "tell me about music"},
+    ],
+]
+# batch 1: no padding, so in process and the server (one prompt per request) compute the same thing
+SETTINGS = GenerationSettings(max_new_tokens=6, batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def fast(server: LoopbackOpenAI, **overrides) -> EndpointSettings:
+    """Endpoint settings with test-sized backoff."""
+    values = {"url": server.url, "concurrency": 3, "backoff": 0.01, "max_backoff": 0.05, "max_retries": 4}
+    return EndpointSettings(**{**values, **overrides})
+
+
+def rows(dataset: datasets.Dataset) -> list[tuple]:
+    return list(zip(dataset["input_ids"], dataset["loss_mask"], dataset["response"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def in_process(target, tmp_path_factory):
+    return regenerate(target, CONVERSATIONS, SETTINGS, tmp_path_factory.mktemp("in-process"))
+
+
+def test_answer_points_and_the_refused_conversation():
+    assert answer_points(MULTI_TURN) == [1, 3]
+    assert answer_points(MULTI_TURN[:3]) == [1, 3]  # the last user turn gets an appended answer
+    assert answer_points(prompt_conversation("hi", "be brief")) == [2]
+    with pytest.raises(ValueError, match="starts with an assistant turn"):
+        answer_points(MULTI_TURN[1:])
+
+
+def test_endpoint_regeneration_equals_in_process_token_for_token(target, tmp_path, in_process):
+    with LoopbackOpenAI(target) as server:
+        through_server = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(through_server) == rows(in_process)
+    assert len(in_process) == len(CONVERSATIONS)
+    # the one-answer samples are the templated prompt then the target's own tokens, through <|im_end|>
+    tokenizer = target.tokenizer
+    prompt = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, return_dict=True)["input_ids"]
+    first = in_process[0]
+    assert first["input_ids"][: len(prompt)] == list(prompt)
+    assert first["loss_mask"] == [0] * len(prompt) + [1] * (len(first["input_ids"]) - len(prompt))
+
+
+def test_each_turn_is_answered_after_the_regenerated_history(target, tmp_path, in_process):
+    """The second question reaches the server after the target's own first answer, not the
+    dataset's; the sample supervises both answers."""
+    with LoopbackOpenAI(target) as server:
+        regenerate(target, [MULTI_TURN], SETTINGS, tmp_path, endpoint=fast(server))
+    asked = [json.loads(messages) for messages in server.asked if "france" in messages]
+    assert len(asked) == 1 and len(asked[0]) == 3
+    first_answer = asked[0][1]["content"]
+    assert first_answer != MULTI_TURN[1]["content"]
+    tokenizer = target.tokenizer
+    sample = in_process[2]
+    supervised = [t for t, m in zip(sample["input_ids"], sample["loss_mask"], strict=True) if m]
+    expected = [*tokenizer.encode(first_answer, add_special_tokens=False), tokenizer.eos_token_id]
+    assert supervised[: len(expected)] == expected
+    assert sample["response"] != MULTI_TURN[3]["content"]
+
+
+def test_a_server_failing_every_third_request_is_survived(target, tmp_path, in_process):
+    with LoopbackOpenAI(target) as server:
+        server.fail_every = 3
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process)
+    assert server.requests > server.completions  # failures happened and were retried
+    assert len(server.asked) == len(set(server.asked))  # no question answered twice
+    assert not list((tmp_path / "generated").glob("*.journal.jsonl"))  # the journal is gone once written
+
+
+def test_a_server_that_dies_mid_run_is_resumed_without_repeats(target, tmp_path, in_process):
+    with LoopbackOpenAI(target) as dying:
+        dying.die_after = 4  # the probe and three answers, then the process is gone
+        with pytest.raises(EndpointError, match="still failing after 5 attempts"):
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(dying))
+    (journal_path,) = (tmp_path / "generated").glob("*.journal.jsonl")
+    finished = {json.loads(line)["row"] for line in journal_path.read_text().splitlines()}
+    assert 0 < len(finished) < len(CONVERSATIONS)
+    with LoopbackOpenAI(target) as restarted:  # another port: the URL is not part of the cache key
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(restarted))
+    assert rows(dataset) == rows(in_process)
+    # exactly the unfinished conversations' turns were asked again (after the probe)
+    unfinished = [row for row in range(len(CONVERSATIONS)) if row not in finished]
+    assert restarted.completions - 1 == sum(len(answer_points(CONVERSATIONS[row])) for row in unfinished)
+
+
+def test_kill_9_during_endpoint_regeneration_then_rerun_gives_the_uninterrupted_dataset(target, tmp_path, in_process):
+    many = CONVERSATIONS * 4
+    child = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.tiny_target import tiny_target
+        from tests.test_regeneration import CONVERSATIONS, SETTINGS
+        from trainer.endpoint import EndpointSettings
+        from trainer.regeneration import regenerate
+        regenerate(tiny_target(), CONVERSATIONS * 4, SETTINGS, __import__("pathlib").Path({str(tmp_path)!r}),
+                   endpoint=EndpointSettings(url=sys.argv[1], concurrency=2))
+        """
+    )
+    with LoopbackOpenAI(target) as server:
+        server.delay = 0.2  # slow answers, so the kill lands mid-run
+        process = subprocess.Popen([sys.executable, "-c", child, server.url], cwd=REPO)
+        journal = tmp_path / "generated"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            lines = sum(len(path.read_bytes().splitlines()) for path in journal.glob("*.journal.jsonl"))
+            if lines >= 5:
+                break
+            assert process.poll() is None, "the regeneration ended before it could be killed"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        (journal_path,) = journal.glob("*.journal.jsonl")
+        finished = set()
+        for line in journal_path.read_bytes().splitlines(keepends=True):
+            if line.endswith(b"\n"):  # a torn last line is not a finished conversation
+                finished.add(json.loads(line)["row"])
+        assert 5 <= len(finished) < len(many)
+        server.delay = 0.0
+        server.wait_idle()
+        asked_before = len(server.asked)
+        dataset = regenerate(target, many, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process) * 4
+    # the rerun asked the probe and every turn of the unfinished conversations, nothing else
+    unfinished = [row for row in range(len(many)) if row not in finished]
+    assert len(server.asked) - asked_before == 1 + sum(len(answer_points(many[row])) for row in unfinished)
+
+
+def test_journal_drops_a_torn_last_line_and_never_duplicates(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    with ResponseJournal(path) as journal:
+        journal.append({"row": 2, "turns": [{"text": "b", "ids": [2]}]})
+        journal.append({"row": 0, "turns": [{"text": "a", "ids": [1]}]})
+        journal.append({"row": 2, "turns": [{"text": "again", "ids": [9]}]})  # ignored: row 2 is done
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"row": 1, "tur')  # kill -9 in the middle of a write
+    with ResponseJournal(path) as journal:
+        assert journal.done == {0, 2}
+        assert path.read_bytes() == whole
+        journal.append({"row": 1, "skipped": "too long"})
+        assert [record["row"] for record in journal.records()] == [0, 1, 2]  # row order, from disk
+        assert next(journal.records())["turns"][0]["text"] == "a"
+
+
+def test_wrong_model_endpoints_are_refused(target, tmp_path):
+    with LoopbackOpenAI(target, model_name="served-name") as server:
+        with pytest.raises(
+            EndpointError, match=r"regenerate_model 'other' is not served by .* \(it serves: served-name\)"
+        ):
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server, model="other"))
+        regenerate(target, CONVERSATIONS[:1], SETTINGS, tmp_path, endpoint=fast(server, model="served-name"))
+    other_template = "{% for m in messages %}{{ m['role'] + ' ' + m['content'] + ' ' }}{% endfor %}assistant "
+    refusal = "is not the recipe's target: it reads the probe conversation as"
+    with LoopbackOpenAI(target, chat_template=other_template) as server, pytest.raises(EndpointError, match=refusal):
+        regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    with LoopbackOpenAI(target) as server:
+        server.token_shift = 1  # same template and lengths, another vocabulary
+        with pytest.raises(EndpointError, match="gives other token ids than the target's"):
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    with pytest.raises(EndpointError, match="cannot be reached"):
+        regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))  # stopped: nothing listens
+
+
+def test_large_datasets_are_written_in_shards_and_read_lazily(target, tmp_path, monkeypatch, in_process):
+    """A dataset of conversations is regenerated from its (memory-mapped) rows, and the result is
+    written a shard at a time: the same samples as from a list."""
+    source = tmp_path / "source"
+    datasets.Dataset.from_dict({"messages": CONVERSATIONS}).save_to_disk(str(source))
+    from trainer.data import ConversationRows
+
+    lazy = ConversationRows(datasets.load_from_disk(str(source)), "messages")
+    assert [lazy[i] for i in range(len(lazy))] == CONVERSATIONS and list(lazy[2:4]) == CONVERSATIONS[2:4]
+    assert regeneration_module.conversations_digest(lazy) == regeneration_module.conversations_digest(CONVERSATIONS)
+    monkeypatch.setattr(regeneration_module, "SHARD_SAMPLES", 4)
+    dataset = regenerate(target, lazy, SETTINGS, tmp_path / "cache")
+    assert rows(dataset) == rows(in_process)
+
+
+def test_prepare_regenerates_through_the_endpoint_with_the_tokenizer_alone_and_training_reuses_it(
+    target, tmp_path, monkeypatch
+):
+    from examples import prepare
+    from tests.distributed.tiny_setup import write_tiny_run
+    from trainer.arguments import parse_arguments
+    from trainer.data import build_datasets
+    from trainer.target import FrozenTarget
+
+    recipe = write_tiny_run(tmp_path, regenerate=True, max_new_tokens=6, generation_batch_size=1)
+    with LoopbackOpenAI(target) as server:
+        flags = [str(recipe), "--regenerate_endpoint", server.url, "--regenerate_concurrency", "4"]
+        with monkeypatch.context() as patched:  # the weights are never loaded
+            patched.setattr(FrozenTarget, "load", lambda *a, **k: pytest.fail("loaded the target's weights"))
+            prepare.main([*flags, "--regenerate-only"])
+    assert server.completions == 2 + 24  # a probe each for train and eval, then every conversation's one turn
+    # training, with the server gone, finds the answers in the cache
+    _, data_args, _ = parse_arguments(flags)
+    train, evaluation = build_datasets(data_args, FrozenTarget.load(str(tmp_path / "target")), [1, 2])
+    assert (len(train), len(evaluation)) == (20, 4)
+    in_process, _ = build_datasets(
+        dataclasses.replace(data_args, regenerate_endpoint=None, cache_dir=str(tmp_path / "other")), target, [1, 2]
+    )
+    assert train["input_ids"] == in_process["input_ids"]
+
+
+def test_endpoint_recipe_keys_are_checked(tmp_path):
+    from trainer.arguments import DataArguments
+    from trainer.data import endpoint_settings
+
+    assert endpoint_settings(DataArguments(regenerate=True)) is None
+    with pytest.raises(ValueError, match="regenerate_model is set but regenerate_endpoint is not"):
+        endpoint_settings(DataArguments(regenerate=True, regenerate_model="m"))
+    with pytest.raises(ValueError, match="regenerate_endpoint is set but regenerate is false"):
+        endpoint_settings(DataArguments(regenerate=False, regenerate_endpoint="http://h:8000/v1"))
+    with pytest.raises(ValueError, match="must be an http"):
+        endpoint_settings(DataArguments(regenerate=True, regenerate_endpoint="h:8000/v1"))
+    with pytest.raises(ValueError, match="regenerate_concurrency must be >= 1"):
+        endpoint_settings(DataArguments(regenerate=True, regenerate_endpoint="http://h/v1", regenerate_concurrency=0))
+    settings = endpoint_settings(
+        DataArguments(regenerate=True, regenerate_endpoint="http://h/v1", enable_thinking=False)
+    )
+    assert settings.chat_template_kwargs == {"enable_thinking": False}

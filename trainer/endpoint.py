@@ -1,0 +1,217 @@
+"""The target answering through a serving engine: the OpenAI-compatible chat-completions API that
+vLLM (`vllm serve`) and SGLang (`python -m sglang.launch_server`) expose.
+
+At scale, regenerating the training answers on the training GPUs with `generate` is the slow part;
+a serving engine batches continuously and runs on other machines. This client sends one request per
+assistant turn (the server applies the chat template), keeps at most `concurrency` requests in
+flight, retries what a busy or restarting server answers (429, 5xx, timeouts, refused connections)
+with exponential backoff, and refuses an endpoint whose model does not tokenize like the target.
+
+The answer's text is turned back into the target's token ids with the target's own tokenizer; when
+the server stopped on the end of the turn, the template's end-of-turn token closes the answer, as
+`generate` would have produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Statuses a server answers while busy, restarting or behind a proxy: worth asking again.
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Statuses that refuse one request for what it asks (a prompt over the server's max_model_len).
+REFUSED_STATUSES = frozenset({400, 413, 422})
+PROBE_MESSAGES = [{"role": "user", "content": "Probe: 17 × 3 = 51, naïve café, 東京, \t tabs and  spaces."}]
+API_KEY_VARIABLE = "DFLASH2_ENDPOINT_API_KEY"
+
+
+class EndpointError(ConnectionError):
+    """The endpoint cannot be used: unreachable, the wrong model, or failing past the retries (an
+    OSError, so the scripts report it in one line)."""
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    url: str  # http://host:port/v1
+    model: str | None = None  # the served model name; None: the one model the server serves
+    concurrency: int = 64
+    timeout: float = 600.0  # seconds for one request (a long answer on a loaded server)
+    max_retries: int = 8
+    backoff: float = 1.0  # seconds before the first retry, doubled each time up to `max_backoff`
+    max_backoff: float = 60.0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"regenerate_endpoint must be an http(s) URL such as http://host:8000/v1 (got {self.url!r})"
+            )
+        if self.concurrency < 1:
+            raise ValueError(f"regenerate_concurrency must be >= 1 (got {self.concurrency})")
+        if self.max_retries < 0:
+            raise ValueError(f"regenerate_max_retries must be >= 0 (got {self.max_retries})")
+
+
+@dataclass(frozen=True)
+class EndpointAnswer:
+    text: str
+    finish_reason: str  # "stop": the model ended its turn; "length": cut at max_tokens
+
+
+class EndpointClient:
+    """Chat completions against one endpoint, with a bounded pool and retries. Use as an async
+    context manager; `checked_model` must run before `answer`."""
+
+    def __init__(self, settings: EndpointSettings):
+        self.settings = settings
+        self.base = settings.url.rstrip("/")
+        self.model: str | None = settings.model
+        headers = {}
+        api_key = os.environ.get(API_KEY_VARIABLE) or os.environ.get("OPENAI_API_KEY")
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        limits = httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency)
+        self._client = httpx.AsyncClient(headers=headers, timeout=settings.timeout, limits=limits)
+        self._slots = asyncio.Semaphore(settings.concurrency)
+
+    async def __aenter__(self) -> EndpointClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> httpx.Response:
+        """One call, retried on RETRY_STATUSES and transport failures; other statuses are returned."""
+        url = f"{self.base}{path}"
+        attempt = 0
+        while True:
+            try:
+                async with self._slots:
+                    response = await self._client.request(method, url, json=payload)
+                if response.status_code not in RETRY_STATUSES:
+                    return response
+                problem = f"HTTP {response.status_code}: {response.text[:200]}"
+                retry_after = response.headers.get("retry-after")
+            except (httpx.TimeoutException, httpx.TransportError) as error:
+                problem, retry_after = f"{type(error).__name__}: {error}", None
+            if attempt >= self.settings.max_retries:
+                raise EndpointError(f"{url}: still failing after {attempt + 1} attempts ({problem})")
+            delay = min(self.settings.backoff * 2**attempt, self.settings.max_backoff)
+            if retry_after and retry_after.replace(".", "", 1).isdigit():
+                delay = max(delay, float(retry_after))
+            logger.debug("%s failed (%s); retry %d in %.2f s", url, problem, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def served_models(self) -> list[str]:
+        try:
+            response = await self._request("GET", "/models")
+        except EndpointError as error:
+            raise EndpointError(f"regenerate_endpoint {self.base} cannot be reached: {error}") from None
+        if response.status_code != 200:
+            raise EndpointError(
+                f"regenerate_endpoint {self.base}: GET /models answered HTTP {response.status_code} "
+                "(is the URL the server's OpenAI base, ending in /v1?)"
+            )
+        return [entry["id"] for entry in response.json().get("data", [])]
+
+    async def checked_model(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> str:
+        """The served model to ask, after checking that it is the target: the server must template
+        and tokenize the probe conversation into exactly `prompt_ids` tokens (the target's tokenizer
+        and chat template), and, where the server has vLLM's and SGLang's /tokenize, into the same ids."""
+        served = await self.served_models()
+        if self.model is None:
+            if len(served) != 1:
+                raise EndpointError(
+                    f"regenerate_endpoint {self.base} serves {len(served)} models ({', '.join(served) or 'none'}): "
+                    "set regenerate_model to the target's served name"
+                )
+            self.model = served[0]
+        elif self.model not in served:
+            raise EndpointError(
+                f"regenerate_model {self.model!r} is not served by {self.base} "
+                f"(it serves: {', '.join(served) or 'none'})"
+            )
+        try:
+            answer = await self._complete(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
+        except EndpointRefusal as refusal:
+            raise EndpointError(f"regenerate_endpoint {self.base} refused the probe request ({refusal})") from None
+        served_length = answer.get("usage", {}).get("prompt_tokens")
+        if served_length is not None and served_length != len(prompt_ids):
+            raise EndpointError(
+                f"regenerate_endpoint model {self.model!r} is not the recipe's target: it reads the probe "
+                f"conversation as {served_length} tokens, the target's tokenizer and chat template as "
+                f"{len(prompt_ids)} (serve the target, with its own chat template)"
+            )
+        served_ids = await self._tokenize(PROBE_MESSAGES[0]["content"])
+        expected = tokenizer.encode(PROBE_MESSAGES[0]["content"], add_special_tokens=False)
+        if served_ids is not None and served_ids[-len(expected) :] != expected:
+            raise EndpointError(
+                f"regenerate_endpoint model {self.model!r} is not the recipe's target: its tokenizer gives "
+                f"other token ids than the target's for the same text (vocabulary differs)"
+            )
+        return self.model
+
+    async def _tokenize(self, text: str) -> list[int] | None:
+        """Token ids from the server's /tokenize (vLLM and SGLang serve it beside /v1), or None."""
+        root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
+        try:
+            response = await self._client.post(f"{root}/tokenize", json={"model": self.model, "prompt": text})
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        tokens = response.json().get("tokens")
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+
+    async def _complete(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stream": False,
+        }
+        if seed is not None:
+            payload["seed"] = seed
+        if self.settings.chat_template_kwargs:
+            payload["chat_template_kwargs"] = self.settings.chat_template_kwargs
+        response = await self._request("POST", "/chat/completions", payload)
+        if response.status_code in REFUSED_STATUSES:
+            raise EndpointRefusal(response.status_code, response.text[:300])
+        if response.status_code != 200:
+            raise EndpointError(
+                f"{self.base}/chat/completions answered HTTP {response.status_code}: {response.text[:300]}"
+            )
+        return response.json()
+
+    async def answer(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+        """The target's answer to `messages` (the server templates them)."""
+        body = await self._complete(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        choice = body["choices"][0]
+        message = choice.get("message") or {}
+        if message.get("reasoning_content") or message.get("reasoning"):
+            raise EndpointError(
+                f"regenerate_endpoint {self.base} splits the answer's reasoning from its content: serve the target "
+                "without a reasoning parser (vLLM --reasoning-parser, SGLang --reasoning-parser) so the whole "
+                "answer the draft must learn arrives as content"
+            )
+        return EndpointAnswer(text=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop")
+
+
+class EndpointRefusal(Exception):
+    """The server refused one request for what it asks (REFUSED_STATUSES): e.g. a prompt over its
+    max_model_len. That conversation is skipped and counted; the others go on."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
