@@ -4,7 +4,8 @@ Sections: matmul peak; one training step at the SmolLM2 draft config and at a la
 speed-up over the naive reference, loss agreement); ATen ops per step by phase, DFlash2 against
 DFlash v1; `torch_compile` against eager; loss-head peak memory against the number of anchors,
 chunked vs unchunked; the target's context capture, truncated vs full depth; the memory planner
-against measured peaks; speculative decoding tokens/s with SmolLM2. Writes JSON under
+against measured peaks; speculative decoding tokens/s with SmolLM2; regeneration in process against
+an endpoint (CPU only). Writes JSON under
 benchmarks/results/ and prints Markdown tables. Not part of `make test`.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from benchmarks import plan_check, setups
+from benchmarks import plan_check, regeneration, setups
 from benchmarks.capture import bench_capture
 from benchmarks.compile_step import bench_compile
 from benchmarks.loss_memory import MODES, sweep
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--skip-spec", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--skip-regeneration", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
             results["planner_vs_measured"] = plan_check.plan_check()
     if not args.quick and not args.skip_spec:
         results["spec_decode"] = bench_spec_decode(device=args.device)
+    if not args.quick and not args.skip_regeneration and not gpu:
+        results["regeneration"] = regeneration.bench_smollm2()
     RESULTS.mkdir(exist_ok=True)
     output = Path(args.output) if args.output else RESULTS / f"{'quick' if args.quick else args.device}.json"
     output.write_text(json.dumps(results, indent=2))
@@ -145,6 +149,8 @@ def tables(results: dict) -> str:
             lines.append(
                 f"| {name} | {path['mean_tau']:.2f} | {path['tokens_per_second']:.1f} | {path['speedup']:.2f}× |"
             )
+    if "regeneration" in results:
+        lines += ["", regeneration.table(results["regeneration"])]
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -107,3 +108,19 @@ def _conv_flops(setup, batch) -> int:
     groups = hidden // config.conv_group_size
     per_conv = 2 * queries * hidden * 2 * kernel * groups + 2 * kernel * 2 * queries * hidden
     return config.num_hidden_layers * 2 * per_conv
+
+
+def test_regeneration_benchmark_times_each_way_and_checks_the_tokens():
+    from benchmarks.regeneration import bench_regeneration, table
+    from tests.tiny_target import tiny_target
+
+    result = bench_regeneration(tiny_target(), ["hello", "how are you", "tell me about music"], 5, concurrency=2)
+    assert set(result["runs"]) == {"in process, batch 16", "in process, batch 1", "endpoint, 2 in flight"}
+    assert result["endpoint_equals_in_process_batch_1"] is True
+    for figures in result["runs"].values():
+        assert 0 < figures["answer_tokens"] <= 3 * 5 and figures["tokens_per_second"] > 0
+    batch_1, endpoint = result["runs"]["in process, batch 1"], result["runs"]["endpoint, 2 in flight"]
+    assert result["endpoint_over_batch_1"] == pytest.approx(
+        endpoint["tokens_per_second"] / batch_1["tokens_per_second"]
+    )
+    assert "| endpoint, 2 in flight |" in table(result)

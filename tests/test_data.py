@@ -382,3 +382,39 @@ def test_a_hub_dataset_id_still_goes_to_the_hub(tiny_run, target, tmp_path, monk
     monkeypatch.setattr(datasets, "load_dataset", from_hub)
     train, _ = build_datasets(recipe_data_arguments(tiny_run, dataset=spec), target, [1, 2])
     assert asked == [(spec, "train")] and len(train) == 20
+
+
+def test_tokenising_and_filtering_in_several_processes_equals_one(target, tmp_path):
+    """`dataset_num_proc` spreads the batched maps over processes; the samples are the same, in order."""
+    conversations = datasets.Dataset.from_dict({"messages": [*tiny_conversations(10), TWO_TURNS[:1]]})
+    one = truncate_and_filter(data_module.tokenize_conversations(target.tokenizer, conversations), 20)
+    two = truncate_and_filter(
+        data_module.tokenize_conversations(target.tokenizer, conversations, num_proc=2), 20, num_proc=2
+    )
+    assert len(one) == 10  # the user-only conversation has nothing to supervise
+    assert one["input_ids"] == two["input_ids"] and one["loss_mask"] == two["loss_mask"]
+    assert one[0] == {k: v[:20] for k, v in tokenize_chat(target.tokenizer, conversations[0]["messages"]).items()}
+
+
+def test_regeneration_reads_a_dataset_lazily(tiny_run, target, tmp_path, monkeypatch):
+    """Prompts from a save_to_disk dataset reach regeneration as a lazy view (never a Python list of
+    every row), and give the samples a list of the same prompts gives."""
+    source = tmp_path / "prompts"
+    prompts = ["hello", "how are you", "tell me about music", "good morning", "what is your name"]
+    datasets.Dataset.from_dict({"prompt": prompts}).save_to_disk(str(source))
+    seen = []
+    real = data_module.regenerate
+
+    def spy(target, conversations, *args, **kwargs):
+        seen.append(type(conversations))
+        return real(target, conversations, *args, **kwargs)
+
+    monkeypatch.setattr(data_module, "regenerate", spy)
+    args = recipe_data_arguments(
+        tiny_run, dataset=str(source), regenerate=True, num_eval_samples=1, max_new_tokens=4, cache_dir=str(tmp_path)
+    )
+    train, _ = data_module.token_datasets(args, target)
+    assert seen == [data_module.ConversationRows, data_module.ConversationRows]
+    settings = data_module.generation_settings(args)
+    expected = regenerate(target, [prompt_conversation(p) for p in prompts[:4]], settings, tmp_path / "list")
+    assert train["input_ids"] == [ids[:48] for ids in expected["input_ids"]][: len(train)]

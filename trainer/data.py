@@ -162,7 +162,7 @@ FEATURE_INDEX = "features.json"
 def token_fingerprint(dataset: datasets.Dataset) -> str:
     """Hash of every sample's token ids (stable across processes, unlike in-memory dataset fingerprints)."""
     hasher = hashlib.sha256()
-    for ids in dataset["input_ids"]:
+    for ids in column_values(dataset, "input_ids"):
         hasher.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
         hasher.update(b"|")
     return hasher.hexdigest()
