@@ -6,8 +6,9 @@ server's own templating), POST /tokenize (vLLM's and SGLang's, beside /v1; off w
 `tokenize=False`). Faults for the retry and resume tests: `fail_every = n` answers HTTP 503 to every
 n-th completion request; `die_after = n` stops the server abruptly after n answered completions
 (later connections are refused); `delay` slows every answer; `token_shift` makes /tokenize answer
-with other ids (another vocabulary behind the same template). `completions` counts the answered completion requests, and
-`asked` lists every conversation asked, to show nothing was asked twice.
+with other ids (another vocabulary behind the same template); `refuse_containing` answers HTTP 400
+(context length exceeded) to conversations containing that text. `completions` counts the answered
+completion requests, and `asked` lists every conversation asked, to show nothing was asked twice.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class LoopbackOpenAI:
         self.die_after: int | None = None
         self.delay = 0.0  # seconds added to every completion (slow answers)
         self.token_shift = 0  # /tokenize ids shifted: a server with another vocabulary
+        self.refuse_containing: str | None = None  # HTTP 400 for conversations with this text (too long)
         self.completions = 0
         self.requests = 0
         self.in_flight = 0  # completions being computed now
@@ -139,6 +141,9 @@ class LoopbackOpenAI:
                     return
                 if self.path != "/v1/chat/completions":
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    return
+                if server.refuse_containing and server.refuse_containing in json.dumps(request.get("messages")):
+                    self._send(400, {"error": {"message": "This model's maximum context length is exceeded"}})
                     return
                 if request.get("model") != server.model_name:
                     self._send(404, {"error": {"message": f"model {request.get('model')} does not exist"}})

@@ -174,6 +174,24 @@ def test_kill_9_during_endpoint_regeneration_then_rerun_gives_the_uninterrupted_
     assert len(server.asked) - asked_before == 1 + sum(len(answer_points(many[row])) for row in unfinished)
 
 
+def test_timeouts_are_retried_then_reported_with_what_is_kept(target, tmp_path):
+    with LoopbackOpenAI(target) as server:
+        server.delay = 1.0
+        with pytest.raises(
+            EndpointError, match=r"still failing after 2 attempts \(ReadTimeout.*0 of 6 conversations are"
+        ):
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server, timeout=0.3, max_retries=1))
+        server.wait_idle()
+
+
+def test_a_conversation_the_server_refuses_is_skipped_and_counted(target, tmp_path, in_process, caplog):
+    with LoopbackOpenAI(target) as server:
+        server.refuse_containing = "weather"
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process)[:1] + rows(in_process)[2:]
+    assert "The endpoint refused 1 requests" in caplog.text and "Skipping 1 of 6 prompts" in caplog.text
+
+
 def test_journal_drops_a_torn_last_line_and_never_duplicates(tmp_path):
     path = tmp_path / "answers.jsonl"
     with ResponseJournal(path) as journal:
@@ -213,7 +231,7 @@ def test_large_datasets_are_written_in_shards_and_read_lazily(target, tmp_path, 
     """A dataset of conversations is regenerated from its (memory-mapped) rows, and the result is
     written a shard at a time: the same samples as from a list."""
     source = tmp_path / "source"
-    datasets.Dataset.from_dict({"messages": CONVERSATIONS}).save_to_disk(str(source))
+    datasets.Dataset.from_dict({"messages": CONVERSATIONS}).save_to_disk(str(source), num_shards=3)
     from trainer.data import ConversationRows
 
     lazy = ConversationRows(datasets.load_from_disk(str(source)), "messages")

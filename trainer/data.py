@@ -85,6 +85,11 @@ class ConversationRows(Sequence):
         value = self.dataset[self.rows[index]][self.column]
         return prompt_conversation(value, self.system_prompt) if self.prompts else value
 
+    def __iter__(self) -> Iterator:
+        """In row order, read 1,024 rows at a time (hashing a million conversations)."""
+        for value in column_values(self.dataset.select(self.rows), self.column):
+            yield prompt_conversation(value, self.system_prompt) if self.prompts else value
+
 
 def split_held_out(items: Sequence, eval_count: int) -> tuple[Sequence, Sequence]:
     """Hold out the last `eval_count` items (a fixed, reproducible split)."""

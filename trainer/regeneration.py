@@ -248,10 +248,10 @@ def conversations_digest(conversations: Sequence[Sequence[dict[str, str]]]) -> s
     """sha256 of the conversations as one JSON list, computed a conversation at a time (the same
     bytes as json.dumps of the whole list, without holding it)."""
     hasher = hashlib.sha256(b"[")
-    for index in range(len(conversations)):
+    for index, conversation in enumerate(conversations):
         if index:
             hasher.update(b", ")
-        hasher.update(json.dumps(conversations[index], sort_keys=True).encode())
+        hasher.update(json.dumps(conversation, sort_keys=True).encode())
     hasher.update(b"]")
     return hasher.hexdigest()
 
