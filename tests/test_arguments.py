@@ -200,3 +200,16 @@ def test_qwen36_config_matches_the_published_key_values():
     )
     assert config.sliding_window == 2048 and config.layer_types == ["sliding_attention"] * 5
     assert config.rope_base == 1e7 and config.num_target_layers == 64
+
+
+def test_endpoint_names_of_the_generation_settings_are_the_same_fields(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    base = {"target": "t", "draft_config": "d.json", "output_dir": str(tmp_path)}
+    recipe.write_text(yaml.safe_dump({**base, "regenerate_max_tokens": 512, "regenerate_temperature": 0.7}))
+    _, data, _ = parse_arguments([str(recipe), "--regenerate_top_p", "0.9"])
+    assert (data.max_new_tokens, data.generation_temperature, data.generation_top_p) == (512, 0.7, 0.9)
+    _, data, _ = parse_arguments([str(recipe), "--max_new_tokens", "64"])  # the flag overrides the recipe
+    assert data.max_new_tokens == 64
+    recipe.write_text(yaml.safe_dump({**base, "regenerate_max_tokens": 512, "max_new_tokens": 256}))
+    with pytest.raises(ValueError, match="the recipe sets both regenerate_max_tokens and max_new_tokens"):
+        parse_arguments([str(recipe)])

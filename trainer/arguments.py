@@ -160,6 +160,24 @@ NULL_WORDS = frozenset({"null", "Null", "NULL", "~"})
 # Fields TrainingArguments declares `str | None` but also takes true for: resume_from_checkpoint (Trainer.train and
 # DFlash2Trainer: the newest checkpoint in output_dir) and fsdp (its help asks for `--fsdp` / `fsdp=True`).
 TYPE_OVERRIDES = {"resume_from_checkpoint": str | bool | None, "fsdp": str | bool | None}
+# The endpoint's names for the generation settings, which are one setting whichever way the target
+# answers (in process or through regenerate_endpoint): read as the field they name.
+KEY_ALIASES = {
+    "regenerate_max_tokens": "max_new_tokens",
+    "regenerate_temperature": "generation_temperature",
+    "regenerate_top_p": "generation_top_p",
+}
+
+
+def _canonical(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """`values` with KEY_ALIASES read as the fields they name; both spellings at once are refused."""
+    resolved = {key: value for key, value in values.items() if key not in KEY_ALIASES}
+    for alias, name in KEY_ALIASES.items():
+        if alias in values:
+            if name in values:
+                raise ValueError(f"{source} sets both {alias} and {name}, which are the same setting: keep one")
+            resolved[name] = values[alias]
+    return resolved
 
 
 def _overrides(flags: list[str]) -> dict[str, Any]:
@@ -273,6 +291,7 @@ def parse_arguments(argv: list[str], default_recipe: Path | None = None):
     if argv and argv[0].endswith((".yaml", ".yml")):
         recipe, argv = _read_recipe(argv[0]), argv[1:]
     hints = field_types(ARGUMENT_CLASSES) | TYPE_OVERRIDES
-    values = _typed(recipe, hints, "recipe field", "")
-    values.update(_typed(_negations(_overrides(argv), hints), hints, "argument", "--"))
+    values = _typed(_canonical(recipe, "the recipe"), hints, "recipe field", "")
+    flags = _canonical(_negations(_overrides(argv), hints), "the command line")
+    values.update(_typed(flags, hints, "argument", "--"))
     return _build(values)
