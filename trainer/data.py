@@ -29,7 +29,7 @@ from trainer.chat import end_of_turn_ids, tokenize_chat
 from trainer.endpoint import EndpointSettings
 from trainer.fileio import default_cache_root, digest, require_existing_path, write_directory_atomically
 from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
-from trainer.target import FrozenTarget
+from trainer.target import FrozenTarget, TargetTokenizer
 
 __all__ = ["end_of_turn_ids", "prompt_conversation", "tokenize_chat"]  # re-exported for callers of trainer.data
 
@@ -514,12 +514,13 @@ def generation_settings(args) -> GenerationSettings:
     )
 
 
-def token_datasets(args, target: FrozenTarget) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """(train, eval or None) token datasets (`input_ids`, `loss_mask`), truncated and filtered.
 
     `args` is a `DataArguments`. Prompt-only sources (and chat sources with `regenerate`) are
     answered by the target, in process or through `regenerate_endpoint`; the last
-    `num_eval_samples` prompts/conversations are held out.
+    `num_eval_samples` prompts/conversations are held out. Through an endpoint the target's
+    tokenizer is enough (`TargetTokenizer`).
     """
     check_sample_counts(args)
     cache_root = cache_root_of(args)
