@@ -15,17 +15,9 @@ from tests.tiny_target import tiny_conversations, tiny_target
 from trainer import data as data_module
 from trainer import regeneration as regeneration_module
 from trainer.arguments import DataArguments
-from trainer.data import (
-    DFlashCollator,
-    GenerationSettings,
-    OfflineDataset,
-    build_datasets,
-    prepare_features,
-    prompt_conversation,
-    regenerate,
-    tokenize_chat,
-    truncate_and_filter,
-)
+from trainer.chat import tokenize_chat
+from trainer.data import DFlashCollator, OfflineDataset, build_datasets, prepare_features, truncate_and_filter
+from trainer.regeneration import GenerationSettings, prompt_conversation, regenerate
 
 TWO_TURNS = [
     {"role": "user", "content": "hi"},

@@ -11,7 +11,8 @@ import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.arguments import DFlashTrainingArguments
-from trainer.data import DFlashCollator, tokenize_chat
+from trainer.chat import tokenize_chat
+from trainer.data import DFlashCollator
 from trainer.target import FrozenTarget, find_packaged_gguf
 from trainer.trainer import DFlash2Trainer
 

@@ -25,13 +25,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from trainer.blocks import valid_anchor_mask
-from trainer.chat import end_of_turn_ids, tokenize_chat
+from trainer.chat import tokenize_chat
 from trainer.endpoint import EndpointSettings
 from trainer.fileio import default_cache_root, digest, require_existing_path, write_directory_atomically
 from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.target import FrozenTarget, TargetTokenizer
-
-__all__ = ["end_of_turn_ids", "prompt_conversation", "tokenize_chat"]  # re-exported for callers of trainer.data
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +67,24 @@ class ConversationRows(Sequence):
     held-out split and `num_train_samples` never copy the data: regeneration works on datasets
     larger than memory."""
 
-    def __init__(self, dataset: datasets.Dataset, column: str, system_prompt: str | None = None, prompts: bool = False):
+    def __init__(
+        self,
+        dataset: datasets.Dataset,
+        column: str,
+        system_prompt: str | None = None,
+        prompts: bool = False,
+        rows: range | None = None,
+    ):
         self.dataset, self.column = dataset.select_columns([column]), column
         self.system_prompt, self.prompts = system_prompt, prompts
-        self.rows: range = range(len(dataset))
+        self.rows = range(len(dataset)) if rows is None else rows
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            view = object.__new__(ConversationRows)
-            view.__dict__.update(self.__dict__, rows=self.rows[index])
-            return view
+            return ConversationRows(self.dataset, self.column, self.system_prompt, self.prompts, self.rows[index])
         value = self.dataset[self.rows[index]][self.column]
         return prompt_conversation(value, self.system_prompt) if self.prompts else value
 

@@ -132,22 +132,21 @@ def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: Ge
 
 def _batches_of_answerable(
     conversations, rows: Iterable[int], settings, tokenizer, extra, journal
-) -> Iterator[list[int]]:
-    """Rows in batches of `batch_size`, a row whose first prompt is over max_prompt_length recorded
-    as skipped instead (so batches hold only prompts that will be answered)."""
-    batch: list[int] = []
+) -> Iterator[dict[int, tuple[list[dict[str, str]], list[int]]]]:
+    """Batches of `batch_size` rows, each with its conversation and first prompt's ids; a row whose
+    first prompt is over max_prompt_length is recorded as skipped instead (so batches hold only
+    prompts that will be answered)."""
+    batch: dict[int, tuple[list[dict[str, str]], list[int]]] = {}
     for row in rows:
-        first = answer_points(conversations[row])[0]
-        if (
-            len(render(tokenizer, regenerated_history(conversations[row], [], first), True, extra))
-            > settings.max_prompt_length
-        ):
+        messages = conversations[row]
+        first = render(tokenizer, regenerated_history(messages, [], answer_points(messages)[0]), True, extra)
+        if len(first) > settings.max_prompt_length:
             journal.append({"row": row, "skipped": "prompt over max_prompt_length"})
             continue
-        batch.append(row)
+        batch[row] = (messages, first)
         if len(batch) == settings.batch_size:
             yield batch
-            batch = []
+            batch = {}
     if batch:
         yield batch
 
@@ -155,30 +154,27 @@ def _batches_of_answerable(
 def _answer_in_process(target: FrozenTarget, conversations, rows, settings, journal, progress) -> None:
     tokenizer = target.tokenizer
     extra = template_kwargs(tokenizer, settings.enable_thinking)
-    for batch_index, batch in enumerate(
-        _batches_of_answerable(conversations, rows, settings, tokenizer, extra, journal)
-    ):
+    batches = _batches_of_answerable(conversations, rows, settings, tokenizer, extra, journal)
+    for batch_index, batch in enumerate(batches):
         turns: dict[int, list[dict[str, Any]]] = {row: [] for row in batch}
-        active = list(batch)
+        points = {row: answer_points(messages) for row, (messages, _) in batch.items()}
+        prompts = {row: first for row, (_, first) in batch.items()}  # turn 0, rendered once
         turn = 0
-        while active:
-            prompts, asking = [], []
-            for row in active:
-                points = answer_points(conversations[row])
-                if turn >= len(points):
-                    continue
-                answers = [t["text"] for t in turns[row]]
-                ids = render(tokenizer, regenerated_history(conversations[row], answers, points[turn]), True, extra)
-                if len(ids) <= settings.max_prompt_length:  # a later turn over the limit ends the conversation
-                    prompts.append(ids)
-                    asking.append(row)
-            if not asking:
-                break
+        while prompts:
+            asking = list(prompts)
             # turn 0 keeps the seed of a single-turn batch; later turns draw from their own stream
-            generated = _generate_batch(target, prompts, settings, batch_index + turn * 1_000_000_007)
+            generated = _generate_batch(target, list(prompts.values()), settings, batch_index + turn * 1_000_000_007)
             for row, ids in zip(asking, generated, strict=True):
                 turns[row].append({"text": tokenizer.decode(ids, skip_special_tokens=True), "ids": ids})
-            active, turn = asking, turn + 1
+            turn += 1
+            prompts = {}
+            for row in asking:
+                if turn < len(points[row]):
+                    answers = [answer["text"] for answer in turns[row]]
+                    history = regenerated_history(batch[row][0], answers, points[row][turn])
+                    ids = render(tokenizer, history, True, extra)
+                    if len(ids) <= settings.max_prompt_length:  # a later turn over the limit ends the conversation
+                        prompts[row] = ids
         for row in batch:
             journal.append({"row": row, "turns": turns[row]})
             progress.update(1)
@@ -277,9 +273,11 @@ def sample_of(tokenizer, messages, turns: list[dict[str, Any]], extra: dict[str,
     return {**sample, "prompt": history[-1]["content"], "response": answers[-1]}
 
 
-def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tokenizer, extra) -> None:
-    """save_to_disk of every answered conversation in row order, SHARD_SAMPLES at a time."""
+def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tokenizer, extra) -> int:
+    """save_to_disk of every answered conversation in row order, SHARD_SAMPLES at a time; returns
+    how many were written."""
     shards, rows = [], {"input_ids": [], "loss_mask": [], "prompt": [], "response": []}
+    written = 0
 
     def flush() -> None:
         shard = directory / "shards" / f"{len(shards):05d}"
@@ -293,12 +291,16 @@ def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tok
             continue
         for key, value in sample_of(tokenizer, conversations[record["row"]], record["turns"], extra).items():
             rows[key].append(value)
+        written += 1
         if len(rows["input_ids"]) == SHARD_SAMPLES:
             flush()
-    if rows["input_ids"] or not shards:
+    if rows["input_ids"]:
         flush()
+    if not shards:  # nothing answered: the caller refuses the dataset
+        return 0
     datasets.concatenate_datasets(shards).save_to_disk(str(directory))
     shutil.rmtree(directory / "shards")
+    return written
 
 
 def regenerate(
@@ -353,21 +355,22 @@ def regenerate(
                         f"{error}; {len(journal.offsets)} of {len(conversations)} conversations are answered and "
                         f"kept in {journal.path}: rerun to resume"
                     ) from None
-        skipped = sum(1 for record in journal.records() if "turns" not in record)
-        if skipped == len(conversations):
-            raise ValueError(
-                f"{name}: none of the {len(conversations)} prompts fits in "
-                f"max_prompt_length={settings.max_prompt_length} tokens"
-            )
-        if skipped:
-            logger.warning(
-                "Skipping %d of %d prompts longer than max_prompt_length=%d tokens (or refused by the endpoint).",
-                skipped,
-                len(conversations),
-                settings.max_prompt_length,
-            )
-        write_directory_atomically(
-            path, lambda directory: _write_dataset(directory, journal, conversations, tokenizer, extra)
-        )
+
+        def write(directory: Path) -> None:
+            skipped = len(conversations) - _write_dataset(directory, journal, conversations, tokenizer, extra)
+            if skipped == len(conversations):
+                raise ValueError(
+                    f"{name}: none of the {len(conversations)} prompts fits in "
+                    f"max_prompt_length={settings.max_prompt_length} tokens"
+                )
+            if skipped:
+                logger.warning(
+                    "Skipping %d of %d prompts longer than max_prompt_length=%d tokens (or refused by the endpoint).",
+                    skipped,
+                    len(conversations),
+                    settings.max_prompt_length,
+                )
+
+        write_directory_atomically(path, write)
     journal.path.unlink()
     return datasets.load_from_disk(str(path))
