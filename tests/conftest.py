@@ -59,6 +59,27 @@ def tiny_config_kwargs(**overrides: Any) -> dict[str, Any]:
     return values
 
 
+def objective_batch(seed: int = 0, batch: int = 2, length: int = 12, final_hidden: bool = False) -> tuple:
+    """Random inputs of the objective at tiny_config's sizes: input_ids, loss_mask (the first 3
+    positions and row 1's last 2 unsupervised), target features [b, S, 2H], embedding, head; with
+    `final_hidden` also the target's final hidden states [b, S, H], last (drawn after the rest, so
+    the others do not depend on it)."""
+    sizes = tiny_config_kwargs()
+    vocab, hidden = sizes["vocab_size"], sizes["hidden_size"]
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(4, vocab, (batch, length), generator=generator)
+    loss_mask = torch.ones(batch, length, dtype=torch.long)
+    loss_mask[:, :3] = 0
+    loss_mask[1, -2:] = 0
+    target_hidden = torch.randn(batch, length, 2 * hidden, generator=generator)
+    embedding = torch.randn(vocab, hidden, generator=generator)
+    head = torch.randn(vocab, hidden, generator=generator) * 0.5
+    batch_inputs = (input_ids, loss_mask, target_hidden, embedding, head)
+    if final_hidden:
+        batch_inputs += (torch.randn(batch, length, hidden, generator=generator),)
+    return batch_inputs
+
+
 def tiny_config(**overrides: Any) -> DFlash2Config:
     return DFlash2Config(**tiny_config_kwargs(**overrides))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from benchmarks.naive import naive_loss
 from modeling_dflash2 import unary_transform
-from tests.conftest import tiny_dflash_config, tiny_draft, tiny_v1_draft
+from tests.conftest import objective_batch, tiny_dflash_config, tiny_draft, tiny_v1_draft
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.loss_head import Distillation, fused_unary_cross_entropy
 from trainer.objective import ObjectiveConfig, dflash_loss, draft_objective, teacher_rows
@@ -95,19 +95,6 @@ def test_gradient_check_of_the_fused_head_with_distillation():
     assert torch.autograd.gradcheck(lambda h: numerator(h).numerator, (hidden,))
 
 
-def _batch(seed: int, batch: int = 2, length: int = 12):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(4, VOCAB, (batch, length), generator=generator)
-    loss_mask = torch.ones(batch, length, dtype=torch.long)
-    loss_mask[:, :3] = 0
-    loss_mask[1, -2:] = 0
-    target_hidden = torch.randn(batch, length, 2 * HIDDEN, generator=generator)
-    target_final = torch.randn(batch, length, HIDDEN, generator=generator)
-    embedding = torch.randn(VOCAB, HIDDEN, generator=generator)
-    head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
-    return input_ids, loss_mask, target_hidden, target_final, embedding, head
-
-
 @pytest.mark.parametrize(
     ("loss_type", "kd_weight", "temperature"), [("kd", None, 1.0), ("ce", 0.5, 2.0), ("dpace", 0.3, 1.0)]
 )
@@ -116,7 +103,7 @@ def test_objective_equals_the_full_logits_reference(loss_type, kd_weight, temper
     target's logits at every context position and the draft's for every block; the selector term is
     the cross-entropy recipe's, unchanged."""
     model = tiny_draft(seed=4)
-    input_ids, loss_mask, _, target_final, _, head = _batch(seed=4)
+    input_ids, loss_mask, _, _, head, target_final = objective_batch(4, final_hidden=True)
     anchors = sample_anchors(loss_mask, 5, AnchorDraw(4, 0))
     blocks = build_blocks(input_ids, loss_mask, *anchors, model.block_size, model.mask_token_id)
     hidden = torch.randn(2, 5 * model.block_size, HIDDEN, generator=torch.Generator().manual_seed(4))
@@ -150,7 +137,7 @@ def test_teacher_rows_by_hand():
 
 def test_chunked_equals_unchunked_with_distillation_in_loss_and_gradients():
     model = tiny_draft(seed=6)
-    input_ids, loss_mask, target_hidden, target_final, embedding, head = _batch(seed=6)
+    input_ids, loss_mask, target_hidden, embedding, head, target_final = objective_batch(6, final_hidden=True)
     results, grads = [], []
     for chunk in (1, 1000):
         model.zero_grad(set_to_none=True)
@@ -178,7 +165,7 @@ def test_chunked_equals_unchunked_with_distillation_in_loss_and_gradients():
 
 def test_v1_draft_distills_too():
     model = tiny_v1_draft(seed=7)
-    input_ids, loss_mask, target_hidden, target_final, embedding, head = _batch(seed=7)
+    input_ids, loss_mask, target_hidden, embedding, head, target_final = objective_batch(7, final_hidden=True)
     config = ObjectiveConfig(num_anchors=4, loss_type="kd")
     result = draft_objective(
         model,
@@ -198,7 +185,7 @@ def test_v1_draft_distills_too():
 
 def test_distilling_without_the_targets_final_states_is_refused():
     model = tiny_draft(seed=8)
-    input_ids, loss_mask, target_hidden, _, embedding, head = _batch(seed=8)
+    input_ids, loss_mask, target_hidden, embedding, head, _ = objective_batch(8, final_hidden=True)
     with pytest.raises(ValueError, match="final hidden states"):
         draft_objective(
             model, input_ids, loss_mask, target_hidden, embedding, head, ObjectiveConfig(loss_type="kd"), None
@@ -231,7 +218,7 @@ def test_distillation_honours_the_drafts_logit_transform():
     """Teacher and draft logits both go through the served transform (multiplier, then softcap)."""
     dfc = tiny_dflash_config(output_multiplier=0.5, final_logit_softcapping=1.5)
     model = tiny_draft(seed=9, dflash_config=dfc)
-    input_ids, loss_mask, _, target_final, _, head = _batch(seed=9)
+    input_ids, loss_mask, _, _, head, target_final = objective_batch(9, final_hidden=True)
     anchors = sample_anchors(loss_mask, 4, AnchorDraw(9, 0))
     blocks = build_blocks(input_ids, loss_mask, *anchors, model.block_size, model.mask_token_id)
     hidden = torch.randn(2, 4 * model.block_size, HIDDEN, generator=torch.Generator().manual_seed(9))

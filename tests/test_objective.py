@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import tiny_dflash_config, tiny_draft, tiny_v1_draft
+from tests.conftest import objective_batch, tiny_dflash_config, tiny_draft, tiny_v1_draft
 from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.metrics import finalize_terms
 from trainer.objective import (
@@ -67,20 +67,8 @@ def test_dpace_weights_by_hand():
     torch.testing.assert_close(dpace_weights(nll, weights, 0.5, "suffix"), torch.tensor([[1.21875, 1.625, 1.0]]))
 
 
-def _batch(seed=0, batch=2, length=12):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(4, VOCAB, (batch, length), generator=generator)
-    loss_mask = torch.ones(batch, length, dtype=torch.long)
-    loss_mask[:, :3] = 0
-    loss_mask[1, -2:] = 0
-    target_hidden = torch.randn(batch, length, 2 * HIDDEN, generator=generator)
-    embedding = torch.randn(VOCAB, HIDDEN, generator=generator)
-    head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
-    return input_ids, loss_mask, target_hidden, embedding, head
-
-
 def _blocks_and_hidden(model, seed=0, num_anchors=6):
-    input_ids, loss_mask, _target_hidden, _embedding, head = _batch(seed)
+    input_ids, loss_mask, _target_hidden, _embedding, head = objective_batch(seed)
     anchors, keep = sample_anchors(loss_mask, num_anchors, AnchorDraw(seed, 0))
     blocks = build_blocks(input_ids, loss_mask, anchors, keep, model.block_size, model.mask_token_id)
     hidden = torch.randn(2, num_anchors * model.block_size, HIDDEN, generator=torch.Generator().manual_seed(seed))
@@ -189,7 +177,7 @@ def _all_grads(model):
 
 
 def _draft_run(model, config, alpha=None, chunk=None, seed=0, backward=True):
-    input_ids, loss_mask, target_hidden, embedding, head = _batch(seed)
+    input_ids, loss_mask, target_hidden, embedding, head = objective_batch(seed)
     if chunk is not None:
         config = ObjectiveConfig(**{**config.__dict__, "chunk_blocks": chunk})
     model.zero_grad(set_to_none=True)
@@ -233,7 +221,7 @@ def test_all_masked_batch_gives_zero_loss_and_terms_without_nan():
 
 def test_gradients_reach_every_draft_parameter_and_never_the_target():
     model = tiny_draft(seed=7)
-    input_ids, loss_mask, target_hidden, embedding, head = _batch(7)
+    input_ids, loss_mask, target_hidden, embedding, head = objective_batch(7)
     embedding.requires_grad_(True)
     head_module = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     head_module.weight.data.copy_(head)
@@ -325,7 +313,7 @@ def test_gold_insertion_scores_gold_outside_the_top_k():
 def test_tiny_draft_overfits_one_batch():
     torch.manual_seed(0)
     model = tiny_draft(seed=12, randomized=False)
-    input_ids, loss_mask, target_hidden, embedding, head = _batch(12, batch=2, length=16)
+    input_ids, loss_mask, target_hidden, embedding, head = objective_batch(12, batch=2, length=16)
     config = ObjectiveConfig(num_anchors=8, selector_alpha=0.5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     history = []
