@@ -322,6 +322,11 @@ CASES = [
         lambda base, where: ["--target", str(base / "target"), "--draft", "./no/draft"],
         "draft: local path ./no/draft does not exist",
     ),
+    # -- reliability (issue 22): locks and concurrent runs
+    # -- reliability (issue 22): training saves, NaN steps and resume
+    # -- reliability (issue 22): regeneration journal and endpoint
+    # -- reliability (issue 22): feature stores
+    # -- reliability (issue 22): export, publish, hub ids and evaluate
 ]
 
 

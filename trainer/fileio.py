@@ -3,12 +3,14 @@ user's missing or damaged file an error naming that file."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,48 @@ def write_directory_atomically(directory: Path, write: Callable[[Path], None]) -
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write ran out of space (or quota); the message names what was being written, where, and
+    what is kept (an OSError: the scripts print it in one line and exit 2)."""
+
+
+def free_space(path: Path) -> str:
+    """Free space on the filesystem holding `path` (or its nearest existing parent), for messages."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return "unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} {unit}" if unit == "bytes" else f"{free:.1f} {unit}"
+        free /= 1024
+    return "unknown"
+
+
+@contextlib.contextmanager
+def reporting_disk_full(what: str, path: Path, kept: str = "") -> Iterator[None]:
+    """Turn ENOSPC / EDQUOT raised inside into a `DiskFullError` naming `what`, `path`, the free
+    space left and `kept` (what survives, e.g. the last complete checkpoint); other errors pass."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as error:
+        if error.errno not in DISK_FULL_ERRNOS:
+            raise
+        reason = "no space left on device" if error.errno == errno.ENOSPC else "disk quota exceeded"
+        message = f"{reason} while writing {what} {path} ({free_space(path)} free)"
+        full = DiskFullError(f"{message}{'; ' + kept if kept else ''}")
+        full.errno = error.errno
+        raise full from error
 
 
 # Names of what the atomic writers below leave behind only when killed mid-write.
