@@ -8,6 +8,7 @@ continues from the newest complete checkpoint. `--debug` shows tracebacks of use
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -23,6 +24,7 @@ from trainer.cli import run
 from trainer.data import DFlashCollator, build_datasets
 from trainer.distributed import close_process_group
 from trainer.fileio import require_existing_path, write_file_atomically
+from trainer.locks import lock_run_folder
 from trainer.preemption import TrainingInterrupted
 from trainer.target import FrozenTarget, check_target_sharding
 from trainer.trainer import DFlash2Trainer
@@ -78,6 +80,19 @@ def build_draft(model_args):
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DEFAULT_RECIPE)
+    with run_folder_lock(training_args):
+        return train_run(model_args, data_args, training_args)
+
+
+def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
+    """The job owns its output_dir for the whole run: one lock, taken by global rank 0 before
+    anything is loaded, so a second run on the same folder stops at once with one line."""
+    if training_args.process_index != 0:
+        return contextlib.nullcontext()
+    return lock_run_folder(Path(training_args.output_dir))
+
+
+def train_run(model_args, data_args, training_args) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.logging.set_verbosity_warning()
     transformers.set_seed(training_args.seed)
