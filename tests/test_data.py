@@ -16,7 +16,8 @@ from trainer import data as data_module
 from trainer import regeneration as regeneration_module
 from trainer.arguments import DataArguments
 from trainer.chat import tokenize_chat
-from trainer.data import DFlashCollator, OfflineDataset, build_datasets, prepare_features, truncate_and_filter
+from trainer.data import DFlashCollator, build_datasets, truncate_and_filter
+from trainer.feature_store import OfflineDataset, prepare_features
 from trainer.regeneration import GenerationSettings, prompt_conversation, regenerate
 
 TWO_TURNS = [

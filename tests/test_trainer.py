@@ -12,7 +12,8 @@ from transformers import TrainerCallback
 from modeling_dflash2 import DFlash2DraftModel
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.arguments import DFlashTrainingArguments
-from trainer.data import DFlashCollator, OfflineDataset, prepare_features
+from trainer.data import DFlashCollator
+from trainer.feature_store import OfflineDataset, prepare_features
 from trainer.trainer import DFlash2Trainer
 
 CHECKPOINT_FILES = {
