@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.blocks import valid_anchor_mask
 from trainer.chat import tokenize_chat
 from trainer.endpoint import EndpointSettings
-from trainer.feature_store import OfflineDataset, prepare_features
+from trainer.feature_store import OfflineDataset, prepare_features, store_fingerprint
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.target import FrozenTarget, TargetTokenizer
@@ -452,7 +452,7 @@ def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_h
 
         def offline(tokens: datasets.Dataset) -> OfflineDataset:
             store = prepare_features(target, tokens, layer_ids, cache_root_of(args), dtype, final_hidden=final_hidden)
-            return OfflineDataset(tokens, store)
+            return OfflineDataset(tokens, store, store_fingerprint(target, layer_ids, dtype, final_hidden))
 
         train = offline(train)
         if evaluation is not None:

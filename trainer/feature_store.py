@@ -1,28 +1,51 @@
 """Offline features: the frozen target runs once over the token dataset, its hidden states are
 stored as safetensors shards in a cache entry (a "feature store"), and training reads them back
-from disk (`OfflineDataset`)."""
+from disk (`OfflineDataset`).
+
+A store is trusted only as far as it can be checked. Its index (`features.json`) records what it
+was captured for (target fingerprint, layer ids, dtype, hidden width, final hidden states) and,
+for every sample, its token count and the RMS and max |x| of each stored tensor, computed from the
+very values written. The reader checks the index against the run when the store is opened, each
+shard's safetensors header (names, dtypes, shapes [tokens, width], offsets) when the shard is
+first opened, and each sample's values (finite, statistics as recorded) when it is first read:
+a zeroed, rescaled, re-typed, truncated or NaN shard is one error naming the shard, the sample and
+the entry to delete, instead of a draft trained on garbage or a NaN loss steps later.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import datasets
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from trainer.fileio import digest, write_directory_atomically
+from trainer.fileio import check_safetensors_file, digest, reporting_disk_full, write_directory_atomically
+from trainer.locks import lock_cache_entry
 from trainer.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
 
 FEATURE_INDEX = "features.json"
+STORE_FORMAT = 2  # 1 (no "format" key): no fingerprint, no statistics
+# Tolerance on recomputed statistics: they are computed from the stored values themselves, so only
+# the summation order differs (never bf16 rounding); zeros or a 1e6 scaling are off by orders of magnitude.
+STATISTICS_RTOL = 1e-3
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+}
+# The two tensors of a sample: (name prefix in a shard, column of the recorded statistics).
+SAMPLE_TENSORS = (("sample", 0), ("final", 2))
 
 
 def token_fingerprint(dataset: datasets.Dataset) -> str:
@@ -33,6 +56,87 @@ def token_fingerprint(dataset: datasets.Dataset) -> str:
             hasher.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
             hasher.update(b"|")
     return hasher.hexdigest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16" (the spelling of the `offline_dtype` recipe key)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def store_fingerprint(
+    target: FrozenTarget, layer_ids: Sequence[int], dtype: torch.dtype, final_hidden: bool
+) -> dict[str, Any]:
+    """What a store must have been captured for to serve this run (recorded in its index)."""
+    return {
+        "target": target.fingerprint(),
+        "layer_ids": [int(layer_id) for layer_id in layer_ids],
+        "dtype": dtype_name(dtype),
+        "hidden_size": int(target.hidden_size),
+        "final_hidden": bool(final_hidden),
+    }
+
+
+def feature_store_path(
+    target: FrozenTarget,
+    dataset: datasets.Dataset,
+    layer_ids: Sequence[int],
+    cache_root: Path,
+    dtype: torch.dtype = torch.float32,
+    final_hidden: bool = False,
+) -> Path:
+    """The cache entry of a store: keyed by the target, the token ids, the layer ids, the dtype and
+    whether final states are stored."""
+    fields = {"target": target.fingerprint(), "data": token_fingerprint(dataset), "layers": list(layer_ids)}
+    fields["dtype"] = str(dtype)
+    if final_hidden:  # (absent otherwise, so the stores written before it keep their keys)
+        fields["final_hidden"] = True
+    return Path(cache_root) / "features" / digest(fields)
+
+
+def tensor_statistics(tensor: torch.Tensor) -> tuple[float, float]:
+    """(RMS, max |x|) of a stored tensor, accumulated in float64 without a float64 copy; NaN or inf
+    in the tensor makes them non-finite (NaN propagates through both reductions)."""
+    if tensor.numel() == 0:
+        return 0.0, 0.0
+    norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    return norm / math.sqrt(tensor.numel()), float(tensor.abs().amax())
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write `tensors` as one safetensors file through Python file I/O, so that a full disk is an
+    OSError with its errno (safetensors' own writer raises a SafetensorError carrying only text);
+    returns the bytes written. Tensor data is written from the tensors' memory, never copied."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    with path.open("wb") as file:
+        file.write(len(encoded).to_bytes(8, "little"))
+        file.write(encoded)
+        for tensor in tensors.values():
+            _write_tensor(file, tensor)
+    return 8 + len(encoded) + offset
+
+
+def _write_tensor(file: BinaryIO, tensor: torch.Tensor) -> None:
+    if tensor.numel():
+        file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
 
 
 def prepare_features(
@@ -49,88 +153,250 @@ def prepare_features(
     With `final_hidden` (distillation) each sample also stores the target's final hidden states,
     one more H-wide feature per token, from the same forward.
 
-    Keyed by the target, the token ids, the layer ids and whether final states are stored; an
-    existing store is reused.
+    An existing store is reused. One process writes an entry (`lock_cache_entry`; another rank of
+    the same job waits for it, then reuses the store); a full disk is one error saying how much was
+    captured, and nothing partial is kept.
     """
-    fields = {"target": target.fingerprint(), "data": token_fingerprint(dataset), "layers": list(layer_ids)}
-    fields["dtype"] = str(dtype)
-    if final_hidden:  # (absent otherwise, so the stores written before it keep their keys)
-        fields["final_hidden"] = True
-    key = digest(fields)
-    path = cache_root / "features" / key
+    path = feature_store_path(target, dataset, layer_ids, cache_root, dtype, final_hidden)
     if (path / FEATURE_INDEX).exists():
         logger.info("Reusing offline target features from %s", path)
         return path
+    with lock_cache_entry(path, "feature store"):
+        if (path / FEATURE_INDEX).exists():  # finished by the holder we waited for
+            logger.info("Reusing offline target features from %s (captured by another process)", path)
+            return path
+        with reporting_disk_full("feature store", path, "nothing partial is kept"):
 
-    def write(directory: Path) -> None:
-        shards, shard, shard_index = [], {}, 0
-        for start in tqdm(range(0, len(dataset), batch_size), desc="capturing target hidden states"):
-            batch = dataset[start : start + batch_size]["input_ids"]
-            lengths = [len(ids) for ids in batch]
-            input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
-            attention_mask = torch.zeros_like(input_ids)
-            for row, ids in enumerate(batch):  # right padding: a causal target ignores what follows
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                attention_mask[row, : len(ids)] = 1
-            captured = target.capture(
-                input_ids.to(target.device), attention_mask.to(target.device), layer_ids, final_hidden=final_hidden
-            )
-            hidden, final = captured if final_hidden else (captured, None)
-            for row, length in enumerate(lengths):
-                shard[f"sample_{start + row}"] = hidden[row, :length].to("cpu", dtype).contiguous()
-                if final is not None:
-                    shard[f"final_{start + row}"] = final[row, :length].to("cpu", dtype).contiguous()
-            samples = sorted(int(key.split("_")[1]) for key in shard if key.startswith("sample_"))
-            if len(samples) >= shard_samples or start + batch_size >= len(dataset):
-                name = f"shard-{shard_index:05d}.safetensors"
-                save_file(shard, directory / name)
-                shards.append({"file": name, "samples": samples})
-                shard, shard_index = {}, shard_index + 1
-        (directory / FEATURE_INDEX).write_text(
-            json.dumps(
-                {
-                    "num_samples": len(dataset),
-                    "layer_ids": list(layer_ids),
-                    "final_hidden": final_hidden,
-                    "shards": shards,
-                }
-            )
-        )
+            def write(directory: Path) -> None:
+                _capture(target, dataset, layer_ids, dtype, batch_size, shard_samples, final_hidden, directory, path)
 
-    write_directory_atomically(path, write)
+            write_directory_atomically(path, write)
     return path
 
 
-class OfflineDataset(torch.utils.data.Dataset):
-    """Token samples joined with their stored target features (memory-mapped on access)."""
+def _capture(
+    target: FrozenTarget,
+    dataset: datasets.Dataset,
+    layer_ids: Sequence[int],
+    dtype: torch.dtype,
+    batch_size: int,
+    shard_samples: int,
+    final_hidden: bool,
+    directory: Path,
+    entry: Path,
+) -> None:
+    """Fill `directory` (the temporary sibling of `entry`) with the shards and, last, the index."""
+    shards: list[dict[str, Any]] = []
+    shard: dict[str, torch.Tensor] = {}
+    entries: dict[str, list] = {"samples": [], "tokens": [], "statistics": []}
+    captured = written = 0
 
-    def __init__(self, tokens: datasets.Dataset, features: Path):
-        index = json.loads((features / FEATURE_INDEX).read_text())
+    def flush() -> None:
+        nonlocal shard, entries, captured, written
+        name = f"shard-{len(shards):05d}.safetensors"
+        kept = (
+            f"{captured} of {len(dataset)} samples captured ({_size(written)} written, about "
+            f"{_size(written / max(captured, 1) * len(dataset))} needed for all); nothing partial is kept"
+        )
+        with reporting_disk_full("feature store", entry, kept):
+            written += write_shard(directory / name, shard)
+        shards.append({"file": name, **entries})
+        captured += len(entries["samples"])
+        shard, entries = {}, {"samples": [], "tokens": [], "statistics": []}
+
+    for start in tqdm(range(0, len(dataset), batch_size), desc="capturing target hidden states"):
+        batch = dataset[start : start + batch_size]["input_ids"]
+        lengths = [len(ids) for ids in batch]
+        input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(batch):  # right padding: a causal target ignores what follows
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention_mask[row, : len(ids)] = 1
+        captured_batch = target.capture(
+            input_ids.to(target.device), attention_mask.to(target.device), layer_ids, final_hidden=final_hidden
+        )
+        hidden, final = captured_batch if final_hidden else (captured_batch, None)
+        for row, length in enumerate(lengths):
+            sample = start + row
+            stored = hidden[row, :length].to("cpu", dtype).contiguous()
+            shard[f"sample_{sample}"] = stored
+            statistics = list(tensor_statistics(stored))
+            if final is not None:
+                stored = final[row, :length].to("cpu", dtype).contiguous()
+                shard[f"final_{sample}"] = stored
+                statistics += tensor_statistics(stored)
+            entries["samples"].append(sample)
+            entries["tokens"].append(length)
+            entries["statistics"].append(statistics)
+        if len(entries["samples"]) >= shard_samples or start + batch_size >= len(dataset):
+            flush()
+    index = {
+        "format": STORE_FORMAT,
+        "store": store_fingerprint(target, layer_ids, dtype, final_hidden),
+        "num_samples": len(dataset),
+        "layer_ids": list(layer_ids),
+        "final_hidden": final_hidden,
+        "shards": shards,
+    }
+    (directory / FEATURE_INDEX).write_text(json.dumps(index))
+
+
+class FeatureStoreError(ValueError):
+    """A feature store that cannot serve this run (a ValueError: the scripts print it in one line)."""
+
+
+class OfflineDataset(torch.utils.data.Dataset):
+    """Token samples joined with their stored target features (memory-mapped on access).
+
+    `expected` (`store_fingerprint` of the run) is checked against the store's index on opening;
+    each shard's header is checked when it is first opened and each sample's values when it is
+    first read in this process (they are read anyway: the check costs two reductions over them).
+    """
+
+    def __init__(self, tokens: datasets.Dataset, features: Path, expected: dict[str, Any] | None = None):
+        self.tokens = tokens
+        self.features = Path(features)
+        index_path = self.features / FEATURE_INDEX
+        try:
+            index = json.loads(index_path.read_text())
+            shards = index["shards"]
+            self.shard_of = {sample: shard["file"] for shard in shards for sample in shard["samples"]}
+        except (ValueError, KeyError, TypeError) as error:
+            raise self._error(f"{index_path} is not a valid feature index ({type(error).__name__}: {error})") from None
         if index["num_samples"] != len(tokens):
             raise ValueError(f"feature store {features} has {index['num_samples']} samples, dataset {len(tokens)}.")
-        self.tokens = tokens
-        self.features = features
-        self.shard_of = {sample: shard["file"] for shard in index["shards"] for sample in shard["samples"]}
         self.final_hidden = bool(index.get("final_hidden", False))
+        self.recorded: dict[str, Any] | None = index.get("store")
+        self._check_index(index, expected)
+        known = self.recorded or expected or {}
+        self.dtype = known.get("dtype")
+        hidden_size = known.get("hidden_size")
+        self.columns = {
+            "sample": len(known["layer_ids"]) * hidden_size if hidden_size else None,
+            "final": hidden_size,
+        }
+        count = index["num_samples"]
+        self.token_counts = torch.full((count,), -1, dtype=torch.int64)
+        self.statistics = torch.full((count, 4), math.nan, dtype=torch.float64)
+        if self.recorded is not None:
+            for shard in shards:
+                samples = torch.tensor(shard["samples"], dtype=torch.int64)
+                self.token_counts[samples] = torch.tensor(shard["tokens"], dtype=torch.int64)
+                statistics = torch.tensor(shard["statistics"], dtype=torch.float64).reshape(len(samples), -1)
+                self.statistics[samples, : statistics.shape[1]] = statistics
+        self.samples_of = {shard["file"]: shard["samples"] for shard in shards}
         self._handles: dict[str, Any] = {}
+        self._checked = torch.zeros(count, dtype=torch.bool)
+
+    def _error(self, problem: str) -> FeatureStoreError:
+        return FeatureStoreError(f"feature store {self.features}: {problem}: delete {self.features} to capture again")
+
+    def _check_index(self, index: dict[str, Any], expected: dict[str, Any] | None) -> None:
+        """The store's recorded fingerprint (or, for a format-1 store, its layer ids and final-states
+        flag) against what the run expects."""
+        if self.recorded is None:
+            logger.warning(
+                "feature store %s was written before stores recorded their statistics: only its headers, "
+                "finiteness and zero samples are checked (delete it to capture again with full checks)",
+                self.features,
+            )
+            recorded = {"layer_ids": index.get("layer_ids"), "final_hidden": self.final_hidden}
+        else:
+            recorded = self.recorded
+        if expected is None:
+            return
+        differences = [
+            f"{field} {recorded[field]} (this run: {value})"
+            for field, value in expected.items()
+            if field in recorded and recorded[field] != value
+        ]
+        if differences:
+            raise self._error(f"it was captured for {', '.join(differences)}")
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def _open(self, shard: str) -> Any:
+        """safe_open a shard after checking its file and header (names, dtypes, shapes) against the index."""
+        path = self.features / shard
+        try:
+            header = check_safetensors_file(path)
+        except (ValueError, OSError) as error:
+            raise self._error(str(error)) from None
+        wanted = SAFETENSORS_DTYPES.get(getattr(torch, self.dtype, None)) if self.dtype else None
+        for sample in self.samples_of[shard]:
+            tokens = int(self.token_counts[sample])
+            for prefix, _ in SAMPLE_TENSORS:
+                if prefix == "final" and not self.final_hidden:
+                    continue
+                name, columns = f"{prefix}_{sample}", self.columns[prefix]
+                entry = header.get(name)
+                if entry is None:
+                    raise self._error(f"{path} sample {sample}: tensor {name} is missing")
+                if wanted is not None and entry["dtype"] != wanted:
+                    raise self._error(
+                        f"{path} sample {sample}: {name} is stored as {entry['dtype']}, the store holds {self.dtype}"
+                    )
+                shape = entry["shape"]
+                if (
+                    len(shape) != 2
+                    or (tokens >= 0 and shape[0] != tokens)
+                    or (columns is not None and shape[1] != columns)
+                ):
+                    expected = f"[{tokens if tokens >= 0 else 'tokens'}, {columns or 'width'}]"
+                    raise self._error(f"{path} sample {sample}: {name} has shape {shape}, expected {expected}")
+        return safe_open(path, "pt")
+
+    def _check_values(self, shard: str, sample: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Finite, not all zeros, and (format 2) the statistics recorded at capture."""
+        where = f"{self.features / shard} sample {sample}"
+        for prefix, column in SAMPLE_TENSORS:
+            tensor = tensors.get(prefix)
+            if tensor is None:
+                continue
+            rms, max_abs = tensor_statistics(tensor)
+            name = f"{prefix}_{sample}"
+            if not (math.isfinite(rms) and math.isfinite(max_abs)):
+                raise self._error(f"{where}: {name} holds non-finite values (NaN or inf)")
+            recorded_rms, recorded_max = self.statistics[sample, column : column + 2].tolist()
+            if math.isnan(recorded_rms):
+                if max_abs == 0:
+                    raise self._error(f"{where}: {name} is all zeros")
+                continue
+            if not (_close(rms, recorded_rms) and _close(max_abs, recorded_max)):
+                raise self._error(
+                    f"{where}: {name} has RMS {rms:.6g} and max |x| {max_abs:.6g}, "
+                    f"but {recorded_rms:.6g} and {recorded_max:.6g} when it was captured"
+                )
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         sample = dict(self.tokens[index])
         shard = self.shard_of[index]
         if shard not in self._handles:
-            self._handles[shard] = safe_open(self.features / shard, "pt")
-        hidden = self._handles[shard].get_tensor(f"sample_{index}")
+            self._handles[shard] = self._open(shard)
+        handle = self._handles[shard]
+        tensors = {"sample": handle.get_tensor(f"sample_{index}")}
+        if self.final_hidden:
+            tensors["final"] = handle.get_tensor(f"final_{index}")
+        hidden = tensors["sample"]
         if hidden.shape[0] != len(sample["input_ids"]):
-            raise ValueError(f"sample {index}: {hidden.shape[0]} feature rows for {len(sample['input_ids'])} tokens.")
+            raise self._error(
+                f"{self.features / shard} sample {index}: {hidden.shape[0]} feature rows for "
+                f"{len(sample['input_ids'])} tokens"
+            )
+        if not self._checked[index]:
+            self._check_values(shard, index, tensors)
+            self._checked[index] = True
         sample["target_hidden"] = hidden
         if self.final_hidden:
-            sample["target_final_hidden"] = self._handles[shard].get_tensor(f"final_{index}")
+            sample["target_final_hidden"] = tensors["final"]
         return sample
 
     def __getstate__(self):  # dataloader workers open their own handles
         state = dict(self.__dict__)
         state["_handles"] = {}
         return state
+
+
+def _close(value: float, recorded: float) -> bool:
+    return abs(value - recorded) <= STATISTICS_RTOL * max(abs(value), abs(recorded))

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -159,12 +160,36 @@ def require_existing_path(spec: str | os.PathLike, what: str, *, local_only: boo
     return expanded
 
 
-def check_safetensors_file(path: str | os.PathLike) -> None:
+# Bytes per element of each safetensors dtype (a dtype not listed has its offsets checked, not its size).
+SAFETENSORS_ELEMENT_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+def check_safetensors_file(path: str | os.PathLike) -> dict[str, Any]:
     """Refuse a truncated or corrupt safetensors file from its header alone (the tensor data is
-    never read), so the error names the file instead of coming from deep inside the loader.
+    never read), so the error names the file instead of coming from deep inside the loader; returns
+    the parsed header (tensor name -> dtype, shape, data_offsets; `__metadata__` left out).
 
     Layout: an 8-byte little-endian header length, a JSON header mapping each tensor to its
-    `data_offsets` [begin, end) in the data section, then the data section itself.
+    `data_offsets` [begin, end) in the data section, then the data section itself. Each tensor's
+    shape x dtype size must equal end - begin, and the tensors must tile the data section exactly
+    (sorted by offset, each beginning where the previous ends, the last ending at its end).
     """
     path = Path(path)
     size = path.stat().st_size
@@ -181,14 +206,36 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
     data_size = size - 8 - header_length
     try:
         header = json.loads(raw_header)
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        spans = {name: entry["data_offsets"] for name, entry in tensors.items()}
+        valid = all(
+            isinstance(span, list) and len(span) == 2 and all(type(offset) is int for offset in span)
+            for span in spans.values()
+        )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        ends = None
-    if ends is None or not all(isinstance(end, int) for end in ends):
+        valid = False
+    if not valid:
         raise ValueError(f"{damaged}: header is not valid (not a JSON map of tensors to data_offsets)")
-    expected = max(ends, default=0)
+    expected = max((end for _, end in spans.values()), default=0)
     if expected != data_size:
         raise ValueError(f"{damaged}: header says {expected} bytes of tensor data, the file has {data_size}")
+    for name, entry in tensors.items():
+        shape, (begin, end) = entry.get("shape"), spans[name]
+        if not isinstance(shape, list) or not all(type(extent) is int and extent >= 0 for extent in shape):
+            raise ValueError(f"{damaged}: header is not valid (tensor {name} has shape {shape!r})")
+        element_bytes = SAFETENSORS_ELEMENT_BYTES.get(entry.get("dtype"))
+        if element_bytes is not None and math.prod(shape) * element_bytes != end - begin:
+            raise ValueError(
+                f"{damaged}: tensor {name} is {entry['dtype']} {shape} ({math.prod(shape) * element_bytes} bytes) "
+                f"but its data_offsets [{begin}, {end}] span {end - begin} bytes"
+            )
+    previous_end, previous = 0, None
+    for name, (begin, end) in sorted(spans.items(), key=lambda item: tuple(item[1])):
+        if begin != previous_end or end < begin:
+            after = f"tensor {previous} ends at {previous_end}" if previous else "the data section begins at 0"
+            raise ValueError(f"{damaged}: tensor {name} has data_offsets [{begin}, {end}], but {after}")
+        previous_end, previous = end, name
+    return tensors
 
 
 def check_checkpoint_weights(directory: str | os.PathLike) -> None:

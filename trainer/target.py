@@ -40,6 +40,7 @@ from trainer.fileio import (
     require_existing_path,
     write_directory_atomically,
 )
+from trainer.locks import lock_cache_entry
 
 logger = logging.getLogger(__name__)
 
@@ -137,19 +138,28 @@ def _dequantized_copy(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_root: Path):
+    """A GGUF target as the transformers checkpoint converted from it once, under the cache. One
+    process converts an entry (`lock_cache_entry`; another rank of the same job waits for it, then
+    loads what it wrote; another run is refused, naming the holder)."""
     converted = cache_root / "targets" / source.fingerprint()
     if not (converted / "config.json").exists():
-        logger.info("Converting %s/%s to a transformers checkpoint (once): %s", *source.__dict__.values(), converted)
-        model = AutoModelForCausalLM.from_pretrained(source.name_or_path, gguf_file=source.gguf_file, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, gguf_file=source.gguf_file)
-        model = _dequantized_copy(model)
-
-        def write(directory: Path) -> None:
-            model.save_pretrained(directory)
-            tokenizer.save_pretrained(directory)
-
-        write_directory_atomically(converted, write)
+        with lock_cache_entry(converted, "converted target"):
+            if not (converted / "config.json").exists():  # else converted by the holder we waited for
+                _convert_gguf(source, dtype, converted)
     return AutoModelForCausalLM.from_pretrained(converted, dtype=dtype), AutoTokenizer.from_pretrained(converted)
+
+
+def _convert_gguf(source: TargetSource, dtype: torch.dtype, converted: Path) -> None:
+    logger.info("Converting %s/%s to a transformers checkpoint (once): %s", *source.__dict__.values(), converted)
+    model = AutoModelForCausalLM.from_pretrained(source.name_or_path, gguf_file=source.gguf_file, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, gguf_file=source.gguf_file)
+    model = _dequantized_copy(model)
+
+    def write(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    write_directory_atomically(converted, write)
 
 
 class TargetTokenizer:
