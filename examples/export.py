@@ -19,11 +19,11 @@ import logging
 from pathlib import Path
 
 import torch
-from huggingface_hub.utils import validate_repo_id
 
 from trainer.cli import run
 from trainer.export import TargetDimensions, check_export_output, export_draft, load_trained_draft, training_record
 from trainer.hub import PublishError, publish, publish_command
+from trainer.hub_ids import check_hub_id, check_hub_id_if_remote
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -48,19 +48,24 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--private", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.push_to_hub:
-        validate_repo_id(args.push_to_hub)  # before exporting: a bad id found after it would block a rerun
+    # before exporting: a bad id found after it would block a rerun, and the ids land in the card
+    if args.push_to_hub is not None:
+        check_hub_id(args.push_to_hub, "--push-to-hub")
+    if args.target_hub_id is not None:
+        check_hub_id(args.target_hub_id, "--target-hub-id")
+    check_hub_id_if_remote(args.target, "--target")
 
     checkpoint = Path(args.checkpoint)
     check_export_output(Path(args.output), args.overwrite, source=checkpoint)  # before any loading
-    draft = load_trained_draft(checkpoint, args.config)
+    dtype = getattr(torch, args.dtype)
+    draft = load_trained_draft(checkpoint, args.config, dtype)  # sizes and memory checked before building
     target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
     reports = [json.loads(Path(report).read_text()) for report in args.evaluation_report]
     output = export_draft(
         draft,
         args.output,
         target=target,
-        dtype=getattr(torch, args.dtype),
+        dtype=dtype,
         expected_block_size=args.block_size,
         overwrite=args.overwrite,
         source=checkpoint,
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> Path:
         evaluation_report=reports,
     )
     print(f"exported {output}")
-    if args.push_to_hub:
+    if args.push_to_hub is not None:
         try:
             commit = publish(output, args.push_to_hub, private=args.private or None)
         except PublishError as error:

@@ -26,6 +26,12 @@ from safetensors.torch import save_file
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
+from trainer.config_bounds import (
+    FLOAT32_BYTES,
+    check_checkpoint_config,
+    check_draft_config,
+    read_config_file,
+)
 from trainer.fileio import check_checkpoint_weights, require_existing_path, write_directory_atomically
 from trainer.loading import load_draft
 from trainer.target import TargetSource
@@ -349,23 +355,59 @@ def tensor_violations(config: dict[str, Any], tensors: dict[str, torch.Tensor], 
 # ---------------------------------------------------------------------------------------------
 
 
-def load_trained_draft(checkpoint: str | os.PathLike, config: str | os.PathLike | None = None) -> DFlash2DraftModel:
+def export_bytes_per_parameter(dtype: torch.dtype, loaded: bool) -> float:
+    """Peak bytes per parameter of an export: the draft as loaded (at most fp32, unless already in
+    memory), its cast copy, and rule 20's reloaded folder and fp32 reference with its cast weights."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (0 if loaded else FLOAT32_BYTES) + FLOAT32_BYTES + 3 * size
+
+
+EXPORT_MEMORY = "the draft as loaded, its cast copy, and the round trip's reloaded folder and fp32 reference"
+
+
+def check_export_config(config: dict[str, Any], source: str, dtype: torch.dtype, loaded: bool) -> None:
+    """Bounds and memory of an export, from the config alone: before loading, and before the round trip."""
+    check_draft_config(
+        config,
+        source,
+        purpose="exporting this draft",
+        bytes_per_parameter=export_bytes_per_parameter(dtype, loaded),
+        detail=EXPORT_MEMORY,
+    )
+
+
+def load_trained_draft(
+    checkpoint: str | os.PathLike, config: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16
+) -> DFlash2DraftModel:
     """A training checkpoint as a plain DFlash2DraftModel: a full draft directory, a PEFT adapter
     directory (merged into its base), or a bare `model.safetensors` (e.g. from `accelerate
     merge-weights` of a sharded FSDP checkpoint) plus the draft `config`. A missing directory or
-    a truncated safetensors file is refused first, naming it."""
+    a truncated safetensors file is refused first, naming it; so is a config whose sizes are absurd
+    or whose export (in `dtype`) would not fit in memory, before any model is built."""
     checkpoint = Path(require_existing_path(checkpoint, "checkpoint", local_only=True))
     check_checkpoint_weights(checkpoint)
     if (checkpoint / "adapter_config.json").exists():
         from peft import PeftModel
 
-        adapter = json.loads((checkpoint / "adapter_config.json").read_text())
-        base = load_draft(adapter["base_model_name_or_path"])
-        return PeftModel.from_pretrained(base, str(checkpoint)).merge_and_unload()
+        adapter = read_config_file(checkpoint / "adapter_config.json", "adapter config")
+        base = adapter.get("base_model_name_or_path")
+        if not isinstance(base, str):
+            raise ValueError(f"{checkpoint / 'adapter_config.json'} names no base_model_name_or_path")
+        check_checkpoint_config(
+            base,
+            "adapter base",
+            purpose="exporting this draft",
+            bytes_per_parameter=export_bytes_per_parameter(dtype, loaded=False),
+            detail=EXPORT_MEMORY,
+        )
+        return PeftModel.from_pretrained(load_draft(base), str(checkpoint)).merge_and_unload()
     if (checkpoint / "config.json").exists():
+        config_file = checkpoint / "config.json"
+        check_export_config(read_config_file(config_file, "checkpoint"), f"checkpoint {config_file}", dtype, False)
         return load_draft(checkpoint)
     if config is None:
         raise ValueError(f"{checkpoint} has no config.json: pass the draft config (--config) to export it.")
+    check_export_config(read_config_file(config, "draft config"), f"draft config {config}", dtype, False)
     draft_config = DFlash2Config.from_json_file(config)
     return DFlash2DraftModel.from_pretrained(checkpoint, config=draft_config)
 
@@ -488,6 +530,7 @@ def export_draft(
     if type(model).__name__ != "DFlash2DraftModel":
         raise ExportValidationError(f"rule 22: only a DFlash2DraftModel can be exported, got {type(model).__name__}")
     config = public_config(model.config, dtype)
+    check_export_config(config, "the draft", dtype, loaded=True)  # before the copies and rule 20's forward
     tensors = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()}
     failures = contract_violations(config, tensors, target, dtype, expected_block_size)
     if failures:
