@@ -7,8 +7,12 @@ server's own templating), POST /tokenize (vLLM's and SGLang's, beside /v1; off w
 n-th completion request; `die_after = n` stops the server abruptly after n answered completions
 (later connections are refused); `delay` slows every answer; `token_shift` makes /tokenize answer
 with other ids (another vocabulary behind the same template); `refuse_containing` answers HTTP 400
-(context length exceeded) to conversations containing that text. `completions` counts the answered
-completion requests, and `asked` lists every conversation asked, to show nothing was asked twice.
+(context length exceeded) to conversations containing that text; `empty_answers` answers every
+completion with `content: ""`; `raw_completions` / `raw_models` = (content type, body) answer HTTP 200
+with that body instead (an HTML page, JSON of the wrong shape); `trickle = s` sends a completion's
+headers, then one byte every s seconds (for at most `trickle_for` seconds, then hangs up).
+`completions` counts the answered completion requests, and `asked` lists every conversation asked,
+to show nothing was asked twice.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class LoopbackOpenAI:
         self.delay = 0.0  # seconds added to every completion (slow answers)
         self.token_shift = 0  # /tokenize ids shifted: a server with another vocabulary
         self.refuse_containing: str | None = None  # HTTP 400 for conversations with this text (too long)
+        self.empty_answers = False  # every answer's content is ""
+        self.raw_completions: tuple[str, bytes] | None = None  # (content type, body) for every completion
+        self.raw_models: tuple[str, bytes] | None = None  # (content type, body) for GET /v1/models
+        self.trickle: float | None = None  # seconds between the bytes of a completion's body
+        self.trickle_for = 20.0  # then the connection is closed: a client without a deadline still returns
         self.completions = 0
         self.requests = 0
         self.in_flight = 0  # completions being computed now
@@ -90,6 +99,7 @@ class LoopbackOpenAI:
             )[0, len(prompt) :].tolist()
         stop = next((index for index, token in enumerate(output) if token in stops), None)
         answer = output if stop is None else output[:stop]
+        content = "" if self.empty_answers else tokenizer.decode(answer, skip_special_tokens=True)
         return {
             "id": "chatcmpl-loopback",
             "object": "chat.completion",
@@ -97,7 +107,7 @@ class LoopbackOpenAI:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                    "message": {"role": "assistant", "content": content},
                     "finish_reason": "length" if stop is None else "stop",
                 }
             ],
@@ -126,8 +136,33 @@ class LoopbackOpenAI:
                 except (BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
                     self.close_connection = True
 
+            def _send_raw(self, content_type: str, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _trickle(self) -> None:
+                """Headers at once, then a byte at a time: every read arrives well within a read timeout."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                self.close_connection = True
+                deadline = time.monotonic() + server.trickle_for
+                try:
+                    while time.monotonic() < deadline:
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(server.trickle)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
             def do_GET(self):
-                if self.path == "/v1/models":
+                if self.path == "/v1/models" and server.raw_models:
+                    self._send_raw(*server.raw_models)
+                elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
@@ -153,6 +188,12 @@ class LoopbackOpenAI:
                     failing = server.fail_every and server.requests % server.fail_every == 0
                 if failing:
                     self._send(503, {"error": {"message": "busy"}})
+                    return
+                if server.raw_completions:
+                    self._send_raw(*server.raw_completions)
+                    return
+                if server.trickle:
+                    self._trickle()
                     return
                 with server.lock:
                     server.in_flight += 1

@@ -178,7 +178,8 @@ def test_timeouts_are_retried_then_reported_with_what_is_kept(target, tmp_path):
     with LoopbackOpenAI(target) as server:
         server.delay = 1.0
         with pytest.raises(
-            EndpointError, match=r"still failing after 2 attempts \(ReadTimeout.*0 of 6 conversations are"
+            EndpointError,
+            match=r"still failing after 2 attempts \(no whole answer within regenerate_timeout=0.3 s.*0 of 6 conversations",
         ):
             regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server, timeout=0.3, max_retries=1))
         server.wait_idle()
@@ -189,18 +190,18 @@ def test_a_conversation_the_server_refuses_is_skipped_and_counted(target, tmp_pa
         server.refuse_containing = "weather"
         dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
     assert rows(dataset) == rows(in_process)[:1] + rows(in_process)[2:]
-    assert "The endpoint refused 1 requests" in caplog.text and "Skipping 1 of 6 prompts" in caplog.text
+    assert "Skipping 1 of 6 prompts (1 refused by the endpoint)" in caplog.text
 
 
 def test_journal_drops_a_torn_last_line_and_never_duplicates(tmp_path):
     path = tmp_path / "answers.jsonl"
-    with ResponseJournal(path) as journal:
+    with ResponseJournal(path, 3, 100) as journal:
         journal.append({"row": 2, "turns": [{"text": "b", "ids": [2]}]})
         journal.append({"row": 0, "turns": [{"text": "a", "ids": [1]}]})
         journal.append({"row": 2, "turns": [{"text": "again", "ids": [9]}]})  # ignored: row 2 is done
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"row": 1, "tur')  # kill -9 in the middle of a write
-    with ResponseJournal(path) as journal:
+    with ResponseJournal(path, 3, 100) as journal:
         assert journal.done == {0, 2}
         assert path.read_bytes() == whole
         journal.append({"row": 1, "skipped": "too long"})

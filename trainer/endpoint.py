@@ -6,6 +6,9 @@ a serving engine batches continuously and runs on other machines. This client se
 assistant turn (the server applies the chat template), keeps at most `concurrency` requests in
 flight, retries what a busy or restarting server answers (429, 5xx, timeouts, refused connections)
 with exponential backoff, and refuses an endpoint whose model does not tokenize like the target.
+`timeout` bounds each whole request (a server trickling a byte at a time is cut off too), and a
+body that is not the API's (an HTML page, no `choices`, a null `message`) is an error naming the URL
+and what was wrong, never a traceback.
 
 The answer's text is turned back into the target's token ids with the target's own tokenizer; when
 the server stopped on the end of the turn, the template's end-of-turn token closes the answer, as
@@ -15,6 +18,7 @@ the server stopped on the end of the turn, the template's end-of-turn token clos
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -43,7 +47,7 @@ class EndpointSettings:
     url: str  # http://host:port/v1
     model: str | None = None  # the served model name; None: the one model the server serves
     concurrency: int = 64
-    timeout: float = 600.0  # seconds for one request (a long answer on a loaded server)
+    timeout: float = 600.0  # seconds for one whole request (a long answer on a loaded server)
     max_retries: int = 8
     backoff: float = 1.0  # seconds before the first retry, doubled each time up to `max_backoff`
     max_backoff: float = 60.0
@@ -56,6 +60,8 @@ class EndpointSettings:
             )
         if self.concurrency < 1:
             raise ValueError(f"regenerate_concurrency must be >= 1 (got {self.concurrency})")
+        if not self.timeout > 0:
+            raise ValueError(f"regenerate_timeout must be > 0 seconds (got {self.timeout})")
         if self.max_retries < 0:
             raise ValueError(f"regenerate_max_retries must be >= 0 (got {self.max_retries})")
 
@@ -94,13 +100,19 @@ class EndpointClient:
         attempt = 0
         while True:
             try:
-                async with self._slots:
-                    response = await self._client.request(method, url, json=payload)
+                async with self._slots:  # the deadline starts once a slot is free
+                    response = await asyncio.wait_for(
+                        self._client.request(method, url, json=payload), self.settings.timeout
+                    )
                 if response.status_code not in RETRY_STATUSES:
                     return response
                 problem = f"HTTP {response.status_code}: {response.text[:200]}"
                 retry_after = response.headers.get("retry-after")
-            except (httpx.TimeoutException, httpx.TransportError) as error:
+            except (TimeoutError, httpx.TimeoutException) as error:
+                kind = f", {type(error).__name__}" if isinstance(error, httpx.TimeoutException) else ""
+                problem = f"no whole answer within regenerate_timeout={self.settings.timeout:g} s{kind}"
+                retry_after = None
+            except httpx.TransportError as error:
                 problem, retry_after = f"{type(error).__name__}: {error}", None
             if attempt >= self.settings.max_retries:
                 raise EndpointError(f"{url}: still failing after {attempt + 1} attempts ({problem})")
@@ -121,7 +133,16 @@ class EndpointClient:
                 f"regenerate_endpoint {self.base}: GET /models answered HTTP {response.status_code} "
                 "(is the URL the server's OpenAI base, ending in /v1?)"
             )
-        return [entry["id"] for entry in response.json().get("data", [])]
+        body = json_body(response, f"{self.base}/models")
+        entries = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(entries, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("id"), str) for entry in entries
+        ):
+            raise EndpointError(
+                f"regenerate_endpoint {self.base}: GET /models answered a malformed body (expected "
+                f'{{"data": [{{"id": "<model>"}}, ...]}}): {response.text[:100]!r}'
+            )
+        return [entry["id"] for entry in entries]
 
     async def checked_model(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> str:
         """The served model to ask, after checking that it is the target: the server must template
@@ -144,8 +165,9 @@ class EndpointClient:
             answer = await self._complete(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
         except EndpointRefusal as refusal:
             raise EndpointError(f"regenerate_endpoint {self.base} refused the probe request ({refusal})") from None
-        served_length = answer.get("usage", {}).get("prompt_tokens")
-        if served_length is not None and served_length != len(prompt_ids):
+        usage = answer.get("usage")
+        served_length = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if isinstance(served_length, int) and served_length != len(prompt_ids):
             raise EndpointError(
                 f"regenerate_endpoint model {self.model!r} is not the recipe's target: it reads the probe "
                 f"conversation as {served_length} tokens, the target's tokenizer and chat template as "
@@ -164,12 +186,14 @@ class EndpointClient:
         """Token ids from the server's /tokenize (vLLM and SGLang serve it beside /v1), or None."""
         root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
         try:
-            response = await self._client.post(f"{root}/tokenize", json={"model": self.model, "prompt": text})
-        except httpx.HTTPError:
+            response = await asyncio.wait_for(
+                self._client.post(f"{root}/tokenize", json={"model": self.model, "prompt": text}),
+                self.settings.timeout,
+            )
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, TimeoutError, ValueError):
             return None
-        if response.status_code != 200:
-            return None
-        tokens = response.json().get("tokens")
+        tokens = body.get("tokens") if isinstance(body, dict) else None
         return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
 
     async def _complete(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
@@ -192,20 +216,49 @@ class EndpointClient:
             raise EndpointError(
                 f"{self.base}/chat/completions answered HTTP {response.status_code}: {response.text[:300]}"
             )
-        return response.json()
+        body = json_body(response, f"{self.base}/chat/completions")
+        if not isinstance(body, dict):
+            raise EndpointError(f"{self.base}/chat/completions answered {type(body).__name__} JSON, not an object")
+        return body
 
     async def answer(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
         """The target's answer to `messages` (the server templates them)."""
         body = await self._complete(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        choice = body["choices"][0]
-        message = choice.get("message") or {}
+        url = f"{self.base}/chat/completions"
+        choices = body.get("choices")
+        if not isinstance(choices, list):
+            raise EndpointError(f"{url} answered a body without `choices`: {json.dumps(body)[:100]}")
+        if not choices:
+            raise EndpointError(f"{url} answered an empty `choices` list")
+        choice = choices[0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            raise EndpointError(f"{url} answered a choice whose `message` is {json.dumps(message)[:100]}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise EndpointError(f"{url} answered a `message.content` that is not a string: {json.dumps(content)[:100]}")
+        finish_reason = choice.get("finish_reason")
         if message.get("reasoning_content") or message.get("reasoning"):
             raise EndpointError(
                 f"regenerate_endpoint {self.base} splits the answer's reasoning from its content: serve the target "
                 "without a reasoning parser (vLLM --reasoning-parser, SGLang --reasoning-parser) so the whole "
                 "answer the draft must learn arrives as content"
             )
-        return EndpointAnswer(text=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop")
+        return EndpointAnswer(
+            text=content or "", finish_reason=finish_reason if isinstance(finish_reason, str) else "stop"
+        )
+
+
+def json_body(response: httpx.Response, url: str) -> Any:
+    """The response's JSON, or an EndpointError naming `url`, the content type and the body's start."""
+    try:
+        return response.json()
+    except ValueError:
+        content_type = response.headers.get("content-type", "none")
+        raise EndpointError(
+            f"{url} answered HTTP {response.status_code} with a body that is not JSON "
+            f"(content-type {content_type}): {response.text[:100]!r}"
+        ) from None
 
 
 class EndpointRefusal(Exception):

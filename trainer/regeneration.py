@@ -5,7 +5,13 @@ The target answers every assistant turn of a conversation in order, each time se
 with its own earlier answers (a prompt-only conversation gets one answer appended). Each finished
 conversation is appended to a journal (trainer/response_journal.py) as it arrives, so a killed
 regeneration resumes without asking again; when all are answered the dataset is written with
-`save_to_disk`, shard by shard (flat memory), and the journal removed.
+`save_to_disk`, shard by shard (flat memory), and the journal removed. One process writes a cache
+entry at a time (trainer/locks.py); another waits (same job) or is refused with the holder's name.
+
+An empty answer is no answer: the conversation ends before it (none left: skipped, and asked again
+by a rerun, since a misbehaving server is the likely cause). Skipped conversations and answers cut
+at max_new_tokens are counted in one warning; a dataset with no sample at all is never cached (its
+journal stays, and a rerun asks again for what the server refused or left empty).
 
 A sample with one answer is the templated prompt followed by the answer's own token ids (what the
 target produced, not a re-tokenisation); a sample with several answers is the regenerated
@@ -20,7 +26,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +37,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.chat import end_of_turn_ids, render, template_kwargs, tokenize_chat
 from trainer.endpoint import PROBE_MESSAGES, EndpointClient, EndpointError, EndpointRefusal, EndpointSettings
-from trainer.fileio import digest, write_directory_atomically
-from trainer.response_journal import ResponseJournal
+from trainer.fileio import digest, reporting_disk_full, write_directory_atomically
+from trainer.locks import lock_cache_entry
+from trainer.response_journal import SKIP_EMPTY, SKIP_REFUSED, SKIP_TOO_LONG, ResponseJournal
 from trainer.target import FrozenTarget, TargetTokenizer
 
 logger = logging.getLogger(__name__)
@@ -141,7 +148,7 @@ def _batches_of_answerable(
         messages = conversations[row]
         first = render(tokenizer, regenerated_history(messages, [], answer_points(messages)[0]), True, extra)
         if len(first) > settings.max_prompt_length:
-            journal.append({"row": row, "skipped": "prompt over max_prompt_length"})
+            journal.append({"row": row, "skipped": SKIP_TOO_LONG})
             continue
         batch[row] = (messages, first)
         if len(batch) == settings.batch_size:
@@ -164,11 +171,15 @@ def _answer_in_process(target: FrozenTarget, conversations, rows, settings, jour
             asking = list(prompts)
             # turn 0 keeps the seed of a single-turn batch; later turns draw from their own stream
             generated = _generate_batch(target, list(prompts.values()), settings, batch_index + turn * 1_000_000_007)
+            answered = []
             for row, ids in zip(asking, generated, strict=True):
-                turns[row].append({"text": tokenizer.decode(ids, skip_special_tokens=True), "ids": ids})
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                if text.strip():  # an empty answer ends the conversation before it
+                    turns[row].append({"text": text, "ids": ids})
+                    answered.append(row)
             turn += 1
             prompts = {}
-            for row in asking:
+            for row in answered:
                 if turn < len(points[row]):
                     answers = [answer["text"] for answer in turns[row]]
                     history = regenerated_history(batch[row][0], answers, points[row][turn])
@@ -176,7 +187,7 @@ def _answer_in_process(target: FrozenTarget, conversations, rows, settings, jour
                     if len(ids) <= settings.max_prompt_length:  # a later turn over the limit ends the conversation
                         prompts[row] = ids
         for row in batch:
-            journal.append({"row": row, "turns": turns[row]})
+            journal.append({"row": row, "turns": turns[row]} if turns[row] else {"row": row, "skipped": SKIP_EMPTY})
             progress.update(1)
 
 
@@ -191,15 +202,14 @@ async def _answer_through_endpoint(
     extra = template_kwargs(tokenizer, settings.enable_thinking)
     closing = closing_token_id(tokenizer, extra)
     pending = iter(rows)  # shared by the workers: each row is taken once
-    refused = 0
 
     async with EndpointClient(endpoint) as client:
         await client.checked_model(tokenizer, render(tokenizer, PROBE_MESSAGES, True, extra))
 
         async def answer(row: int) -> dict[str, Any]:
-            nonlocal refused
             messages = conversations[row]
             turns: list[dict[str, Any]] = []
+            skipped = SKIP_TOO_LONG
             for turn, point in enumerate(answer_points(messages)):
                 history = regenerated_history(messages, [t["text"] for t in turns], point)
                 if len(render(tokenizer, history, True, extra)) > settings.max_prompt_length:
@@ -214,16 +224,18 @@ async def _answer_through_endpoint(
                         seed=seed,
                     )
                 except EndpointRefusal as refusal:
-                    refused += 1
                     logger.debug("row %d turn %d refused: %s", row, turn, refusal)
+                    skipped = SKIP_REFUSED
+                    break
+                if not reply.text.strip():
+                    logger.debug("row %d turn %d: empty answer (finish_reason %s)", row, turn, reply.finish_reason)
+                    skipped = SKIP_EMPTY
                     break
                 ids = tokenizer.encode(reply.text, add_special_tokens=False)
                 if reply.finish_reason == "stop":
                     ids.append(closing)
                 turns.append({"text": reply.text, "ids": ids})
-            if not turns:
-                return {"row": row, "skipped": "prompt over max_prompt_length or refused by the endpoint"}
-            return {"row": row, "turns": turns}
+            return {"row": row, "turns": turns} if turns else {"row": row, "skipped": skipped}
 
         async def worker() -> None:
             for row in pending:
@@ -231,8 +243,6 @@ async def _answer_through_endpoint(
                 progress.update(1)
 
         await asyncio.gather(*(worker() for _ in range(endpoint.concurrency)))
-    if refused:
-        logger.warning("The endpoint refused %d requests (e.g. prompts over its max_model_len); skipped.", refused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,11 +283,44 @@ def sample_of(tokenizer, messages, turns: list[dict[str, Any]], extra: dict[str,
     return {**sample, "prompt": history[-1]["content"], "response": answers[-1]}
 
 
-def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tokenizer, extra) -> int:
-    """save_to_disk of every answered conversation in row order, SHARD_SAMPLES at a time; returns
-    how many were written."""
+@dataclass
+class Tally:
+    """What the pass writing the dataset found in the journal, for the one summary warning."""
+
+    written: int = 0  # conversations turned into samples
+    skipped: dict[str, int] = field(default_factory=dict)  # skip reason -> conversations
+    answers: int = 0
+    cut: int = 0  # answers that did not end their turn: stopped at max_new_tokens
+
+    def reasons(self, settings: GenerationSettings) -> str:
+        words = {
+            SKIP_TOO_LONG: f"over max_prompt_length={settings.max_prompt_length} tokens",
+            SKIP_REFUSED: "refused by the endpoint",
+            SKIP_EMPTY: "answered with nothing (empty answer)",
+        }
+        return ", ".join(f"{count} {words.get(reason, reason)}" for reason, count in sorted(self.skipped.items()))
+
+    def summary(self, total: int, settings: GenerationSettings) -> str | None:
+        """One line on what was skipped and cut, or None when nothing was."""
+        parts = []
+        if self.written < total:
+            parts.append(f"Skipping {total - self.written} of {total} prompts ({self.reasons(settings)})")
+        limit = f"regenerate_max_tokens={settings.max_new_tokens}"
+        if self.cut and self.cut == self.answers:
+            parts.append(
+                f"every one of the {self.answers} answers was cut at {limit}: none ends its turn, so the draft "
+                "never learns how answers end; raise regenerate_max_tokens"
+            )
+        elif self.cut:
+            parts.append(f"{self.cut} of {self.answers} answers were cut at {limit}")
+        return "; ".join(parts) or None
+
+
+def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tokenizer, extra, tally: Tally) -> None:
+    """save_to_disk of every answered conversation in row order, SHARD_SAMPLES at a time, counting
+    into `tally` what was skipped and cut; writes nothing when no conversation was answered."""
     shards, rows = [], {"input_ids": [], "loss_mask": [], "prompt": [], "response": []}
-    written = 0
+    ends = end_of_turn_ids(tokenizer)  # what an answer that ended its turn ends with (both paths)
 
     def flush() -> None:
         shard = directory / "shards" / f"{len(shards):05d}"
@@ -288,19 +331,21 @@ def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tok
 
     for record in journal.records():
         if "turns" not in record:
+            tally.skipped[record["skipped"]] = tally.skipped.get(record["skipped"], 0) + 1
             continue
         for key, value in sample_of(tokenizer, conversations[record["row"]], record["turns"], extra).items():
             rows[key].append(value)
-        written += 1
+        tally.written += 1
+        tally.answers += len(record["turns"])
+        tally.cut += sum(turn["ids"][-1] not in ends for turn in record["turns"])
         if len(rows["input_ids"]) == SHARD_SAMPLES:
             flush()
     if rows["input_ids"]:
         flush()
     if not shards:  # nothing answered: the caller refuses the dataset
-        return 0
+        return
     datasets.concatenate_datasets(shards).save_to_disk(str(directory))
     shutil.rmtree(directory / "shards")
-    return written
 
 
 def regenerate(
@@ -338,8 +383,21 @@ def regenerate(
     if (path / "dataset_info.json").exists():
         logger.info("Reusing %d target-generated responses from %s", len(conversations), path)
         return datasets.load_from_disk(str(path))
+    with lock_cache_entry(path, "regeneration cache entry"):
+        if (path / "dataset_info.json").exists():  # finished by the holder we waited for
+            logger.info("Reusing %d target-generated responses from %s", len(conversations), path)
+            return datasets.load_from_disk(str(path))
+        _regenerate_entry(path, target, conversations, settings, name, endpoint)
+    return datasets.load_from_disk(str(path))
+
+
+def _regenerate_entry(path: Path, target, conversations, settings: GenerationSettings, name: str, endpoint) -> None:
+    """Answer what the journal lacks, then write the cache entry `path` and remove the journal
+    (the caller holds the entry's lock)."""
+    tokenizer = target.tokenizer
     extra = template_kwargs(tokenizer, settings.enable_thinking)
-    with ResponseJournal(path.with_name(path.name + ".journal.jsonl")) as journal:
+    total = len(conversations)
+    with ResponseJournal(path.with_name(path.name + ".journal.jsonl"), total, len(tokenizer)) as journal:
         rows = [row for row in range(len(conversations)) if row not in journal]
         description = "regenerating answers " + (f"through {endpoint.url}" if endpoint else "with the target")
         with tqdm(total=len(conversations), initial=len(conversations) - len(rows), desc=description) as progress:
@@ -352,25 +410,33 @@ def regenerate(
                     )
                 except EndpointError as error:
                     raise EndpointError(
-                        f"{error}; {len(journal.offsets)} of {len(conversations)} conversations are answered and "
+                        f"{error}; {len(journal)} of {total} conversations are answered and "
                         f"kept in {journal.path}: rerun to resume"
                     ) from None
+        tally = Tally()
 
         def write(directory: Path) -> None:
-            skipped = len(conversations) - _write_dataset(directory, journal, conversations, tokenizer, extra)
-            if skipped == len(conversations):
-                raise ValueError(
-                    f"{name}: none of the {len(conversations)} prompts fits in "
-                    f"max_prompt_length={settings.max_prompt_length} tokens"
-                )
-            if skipped:
-                logger.warning(
-                    "Skipping %d of %d prompts longer than max_prompt_length=%d tokens (or refused by the endpoint).",
-                    skipped,
-                    len(conversations),
-                    settings.max_prompt_length,
-                )
+            _write_dataset(directory, journal, conversations, tokenizer, extra, tally)
+            if tally.written == 0:
+                raise ValueError(nothing_answered(name, total, tally, settings, journal))
 
-        write_directory_atomically(path, write)
+        kept = f"the {total} conversations are kept in the journal {journal.path}: free space, then rerun to resume"
+        with reporting_disk_full("the regenerated dataset", path, kept):
+            write_directory_atomically(path, write)
+        summary = tally.summary(total, settings)
+        if summary:
+            logger.warning("%s: %s.", name, summary)
     journal.path.unlink()
-    return datasets.load_from_disk(str(path))
+
+
+def nothing_answered(name: str, total: int, tally: Tally, settings: GenerationSettings, journal) -> str:
+    """The error for a regeneration without a single sample (nothing is cached)."""
+    if set(tally.skipped) == {SKIP_TOO_LONG}:
+        return f"{name}: none of the {total} prompts fits in max_prompt_length={settings.max_prompt_length} tokens"
+    message = f"{name}: none of the {total} conversations was answered ({tally.reasons(settings)}); nothing is cached"
+    if journal.ask_again:
+        message += (
+            f", and the journal {journal.path} is kept: a rerun asks again for the {len(journal.ask_again)} "
+            "refused or answered with nothing (remove the journal to start over)"
+        )
+    return message
