@@ -25,6 +25,7 @@ from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.checkpoints import write_manifest
 from trainer.cli import run
+from trainer.locks import FolderLock, lock_run_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"train": train, "prepare": prepare, "export": export, "publish": publish, "evaluate": evaluate}
@@ -109,6 +110,15 @@ def wider_target(base: Path, where: Path) -> str:
     config.update({"hidden_size": 64})
     AutoModelForCausalLM.from_config(config).save_pretrained(where / "wide-target")
     return str(where / "wide-target")
+
+
+HELD_LOCKS: list[FolderLock] = []  # kept open for the rest of the session, as a live run would
+
+
+def held_output_dir(where: Path) -> Path:
+    """An output_dir whose lock another run (here: this test process) holds."""
+    HELD_LOCKS.append(lock_run_folder(where / "output").acquire())
+    return where / "output"
 
 
 @dataclass(frozen=True)
@@ -323,6 +333,18 @@ CASES = [
         "draft: local path ./no/draft does not exist",
     ),
     # -- reliability (issue 22): locks and concurrent runs
+    Case(
+        "output_dir in use by another run",
+        "train",
+        lambda base, where: [recipe(base, where, output_dir=str(held_output_dir(where)))],
+        "output_dir {case}/output is in use by another run (pid " + str(os.getpid()) + " on ",
+    ),
+    Case(
+        "output_dir is a file",
+        "train",
+        lambda base, where: [recipe(base, where, output_dir=data_file(where, "output", b"a file"))],
+        "output_dir {case}/output is a file, not a folder: choose a folder for the run",
+    ),
     # -- reliability (issue 22): training saves, NaN steps and resume
     # -- reliability (issue 22): regeneration journal and endpoint
     # -- reliability (issue 22): feature stores
