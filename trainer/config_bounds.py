@@ -129,8 +129,10 @@ def parameter_count(config: dict[str, Any]) -> int:
     from trainer.export import expected_tensors
 
     dfc = dict(config["dflash_config"])
-    if "conv_kernel_size" not in dfc:  # DFlash v1: the DFlash2 modules hold nothing
-        dfc.update(conv_kernel_size=0, conv_group_size=config["hidden_size"], selector_rank=0)
+    # DFlash v1 (or a config missing them): the DFlash2 modules hold nothing
+    dfc.setdefault("conv_kernel_size", 0)
+    dfc.setdefault("conv_group_size", config["hidden_size"])
+    dfc.setdefault("selector_rank", 0)
     return sum(math.prod(shape) for shape in expected_tensors({**config, "dflash_config": dfc}).values())
 
 

@@ -22,7 +22,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from trainer.config_bounds import MAX_CONFIG_BYTES, bounds_violations, check_memory, format_bytes, parameter_count
 from trainer.export import PROVENANCE_FILE, ExportValidationError, contract_violations, export_folder_problems
+from trainer.hub_ids import check_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,11 @@ def check_export_folder(folder: Path) -> None:
         )
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def _read_json_object(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """A JSON object from an export, refusing a file too large to be one before reading it."""
+    size = path.stat().st_size
+    if size > limit:
+        raise ExportValidationError(f"{path} is {size} bytes, more than the {limit} an export's JSON holds; re-export.")
     try:
         value = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -69,6 +75,23 @@ def _declared_dtype(config: dict[str, Any]) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
+def check_publish_resources(folder: Path, config: dict[str, Any], dtype: torch.dtype) -> None:
+    """Before the weights are read: the config's sizes within bounds, and the tensors (as many bytes
+    as the config implies, or as the file holds, whichever is more) within the memory available."""
+    failures = bounds_violations(config)
+    if failures:
+        raise ExportValidationError(f"{folder / 'config.json'}: {'; '.join(failures)}; re-export the draft.")
+    count = parameter_count(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = (folder / "model.safetensors").stat().st_size
+    check_memory(
+        max(count * size, weights),
+        str(folder),
+        "checking this export before publishing",
+        f"its tensors loaded once: {count:,} parameters x {size} bytes, model.safetensors {format_bytes(weights)}",
+    )
+
+
 def validate_export_folder(folder: str | os.PathLike) -> None:
     """Re-check a folder against the public contract from what is on disk: the exact file set,
     config.json, and every contract rule that needs no target (the target's dimensions
@@ -76,10 +99,11 @@ def validate_export_folder(folder: str | os.PathLike) -> None:
     folder = Path(folder)
     check_export_folder(folder)
     config = _read_json_object(folder / "config.json")
-    provenance = _read_json_object(folder / PROVENANCE_FILE)
+    provenance = _read_json_object(folder / PROVENANCE_FILE, limit=16 * MAX_CONFIG_BYTES)
+    dtype = _declared_dtype(config)
+    check_publish_resources(folder, config, dtype or torch.bfloat16)
     tensors = _read_tensors(folder / "model.safetensors")
     failures = []
-    dtype = _declared_dtype(config)
     if dtype is None:
         failures.append(f"rule 19: config.json dtype must name a floating torch dtype, got {config.get('dtype')!r}")
     serving = provenance.get("serving")
@@ -116,6 +140,7 @@ def publish(
     A failed push raises `PublishError` and leaves no partial revision (the commit is atomic), so the
     same call can simply be repeated; invalid arguments (a malformed repo id) stay ValueErrors.
     """
+    check_hub_id(repo_id, "repo_id")  # before anything: the id names the repo and lands in URLs
     folder = Path(folder)
     validate_export_folder(folder)
     api = HfApi(token=token)

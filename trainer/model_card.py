@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from trainer.evaluation import render_markdown
+from trainer.fileio import looks_like_local_path
+from trainer.hub_ids import NOT_HUB_PREFIXES, check_hub_id
 
+THIS_REPO = "<this repo>"  # the placeholder the reader replaces with the draft's repo id
 Reports = dict[str, dict[str, Any]]  # speculative-decoding reports keyed by benchmark
 TAGS = ["speculative-decoding", "dflash", "dflash2", "draft-model", "block-diffusion"]
 EVAL_ROWS = (
@@ -73,8 +78,53 @@ def _evaluation_table(evaluation: dict[str, Any] | None, reports: Reports) -> st
         sections.append("\n".join(lines))
     for benchmark, report in reports.items():
         if report.get("paths"):
-            sections.append(f"### Speculative decoding: {benchmark}\n\n{render_markdown(report).strip()}")
+            heading = f"### Speculative decoding: {markdown_text(benchmark)}"
+            sections.append(f"{heading}\n\n{render_markdown(report).strip()}")
     return "\n\n".join(sections) if sections else "No evaluation was recorded with this checkpoint."
+
+
+MARKDOWN_SPECIAL = frozenset("\\`*_[]()<>#|~!&$")
+
+
+def markdown_text(value: Any) -> str:
+    """`value` as inert Markdown prose: one line (a newline could start a heading, a list or front
+    matter) with every character that opens markup backslash-escaped."""
+    text = " ".join(str(value).split())
+    return "".join(f"\\{char}" if char in MARKDOWN_SPECIAL else char for char in text)
+
+
+def markdown_code(value: Any) -> str:
+    """`value` as an inline code span, or as escaped prose when a backtick would end the span early."""
+    text = " ".join(str(value).split())
+    return markdown_text(text) if "`" in text or not text else f"`{text}`"
+
+
+def _number(value: Any) -> str:
+    """A recorded number as `:g`, anything else (a recipe from someone else) as escaped prose."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return f"{value:g}" if is_number else markdown_text(value)
+
+
+def shell_line(*segments: list[str]) -> str:
+    """A shell command whose every word is quoted for the shell (shlex), one segment per line."""
+    return " \\\n    ".join(shlex.join(segment) for segment in segments)
+
+
+def python_string(value: str) -> str:
+    """`value` as a Python string literal (JSON's escapes are all valid Python ones)."""
+    return json.dumps(value)
+
+
+def card_base_model(name: str | None) -> str | None:
+    """The card's `base_model` metadata: the target's name only when it is a Hub repo id (never a
+    local path, a pypi: target or anything the Hub's validator refuses)."""
+    if not name or name.startswith(NOT_HUB_PREFIXES) or looks_like_local_path(name):
+        return None
+    try:
+        check_hub_id(name, "base_model")
+    except ValueError:
+        return None
+    return name
 
 
 def _distillation(training: dict[str, Any]) -> str:
@@ -85,7 +135,7 @@ def _distillation(training: dict[str, Any]) -> str:
     if not weight:
         return ""
     temperature = training.get("kd_temperature", 1.0)
-    return f" with distillation from the target (weight {weight:g}, temperature {temperature:g})"
+    return f" with distillation from the target (weight {_number(weight)}, temperature {_number(temperature)})"
 
 
 def render_model_card(
@@ -101,7 +151,19 @@ def render_model_card(
     dfc = config["dflash_config"]
     block = dfc["block_size"]
     base = target.name if target is not None else None
-    base_model = base if base and not base.startswith(("pypi:", "/", ".")) else None
+    base_model = card_base_model(base)
+    # every user- or Hub-supplied value is quoted for where it lands, even after validation
+    title = markdown_text(base) if base else "its target"
+    target_word = base or "<target>"
+    speculative_config = {"method": "dflash", "model": THIS_REPO, "num_speculative_tokens": block - 1}
+    vllm = shell_line(
+        ["vllm", "serve", target_word],
+        ["--speculative-config", json.dumps(speculative_config)],
+    )
+    sglang = shell_line(
+        ["python", "-m", "sglang.launch_server", "--model-path", target_word, "--speculative-algorithm", "DFLASH"],
+        ["--speculative-draft-model-path", THIS_REPO, "--speculative-num-draft-tokens", str(block)],
+    )
     data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
@@ -110,10 +172,15 @@ def render_model_card(
         tags=TAGS,
     )
     training = record.get("training_arguments", {})
+    steps = markdown_text(record.get("global_step", "an unrecorded number of"))
+    learning_rate, anchors, selector_alpha = (
+        markdown_text(training.get(key, "n/a")) for key in ("learning_rate", "num_anchors", "selector_alpha")
+    )
+    loss = markdown_code(training.get("loss_type", "n/a"))
     plot = f"\n![per-position acceptance]({plot_file})\n" if plot_file else ""
     causal = str(config["is_causal"]).lower()
     body = f"""
-# DFlash2 draft for {base or "its target"}
+# DFlash2 draft for {title}
 
 A [DFlash2](https://github.com/z-lab/dflash) speculative-decoding draft: it proposes a block of
 {block - 1} tokens per step for the target model, which verifies them. It uses the target's embedding and
@@ -129,15 +196,13 @@ LM head, so this repository holds only the draft's own weights.
 vLLM (V2 model runner):
 
 ```bash
-vllm serve {base or "<target>"} \\
-    --speculative-config '{{"method": "dflash", "model": "<this repo>", "num_speculative_tokens": {block - 1}}}'
+{vllm}
 ```
 
 SGLang:
 
 ```bash
-python -m sglang.launch_server --model-path {base or "<target>"} --speculative-algorithm DFLASH \\
-    --speculative-draft-model-path <this repo> --speculative-num-draft-tokens {block}
+{sglang}
 ```
 
 Serve with the trained block size ({block}); a DFlash2 draft must not draft fewer tokens.
@@ -149,9 +214,9 @@ The folder carries its decoding loop (`spec_generate`, z-lab's call), so nothing
 ```python
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-draft = AutoModel.from_pretrained("<this repo>", trust_remote_code=True, dtype="auto").eval()
-target = AutoModelForCausalLM.from_pretrained("{base or "<target>"}", dtype="auto").eval()
-tokenizer = AutoTokenizer.from_pretrained("{base or "<target>"}")
+draft = AutoModel.from_pretrained({python_string(THIS_REPO)}, trust_remote_code=True, dtype="auto").eval()
+target = AutoModelForCausalLM.from_pretrained({python_string(target_word)}, dtype="auto").eval()
+tokenizer = AutoTokenizer.from_pretrained({python_string(target_word)})
 messages = [{{"role": "user", "content": "Hello!"}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
     "input_ids"
@@ -167,9 +232,9 @@ and `temperature`/`top_p`/`top_k` sample from the target's distribution. Without
 
 ## Training
 
-Trained with dflash2-hub for {record.get("global_step", "an unrecorded number of")} steps
-(learning rate {training.get("learning_rate", "n/a")}, {training.get("num_anchors", "n/a")} anchors per sequence,
-loss `{training.get("loss_type", "n/a")}`{_distillation(training)}, selector α {training.get("selector_alpha", "n/a")}).
+Trained with dflash2-hub for {steps} steps
+(learning rate {learning_rate}, {anchors} anchors per sequence,
+loss {loss}{_distillation(training)}, selector α {selector_alpha}).
 The full recipe and library versions are in `dflash2_provenance.json`.
 
 ## Evaluation
