@@ -165,3 +165,75 @@ def test_a_spec_that_can_only_be_local_is_checked_whatever_it_looks_like(tmp_pat
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"^checkpoint: local path checkpoint-3 does not exist$"):
         require_existing_path("checkpoint-3", "checkpoint", local_only=True)
+
+
+def raw_safetensors(path: Path, header: dict, data_bytes: int) -> Path:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"\0" * data_bytes)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "data_bytes", "problem"),
+    [
+        (
+            {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}},
+            20,
+            "tensor a is F32 [2, 3] (24 bytes) but its data_offsets [0, 20] span 20 bytes",
+        ),
+        (
+            {"a": {"dtype": "BF16", "shape": [2**62, 2**62], "data_offsets": [0, 16]}},
+            16,
+            f"tensor a is BF16 [{2**62}, {2**62}] ({2**125} bytes) but its data_offsets [0, 16] span 16 bytes",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            12,
+            "tensor b has data_offsets [4, 12], but tensor a ends at 8",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+            },
+            12,
+            "tensor b has data_offsets [8, 12], but tensor a ends at 4",
+        ),
+        (
+            {"a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}},
+            8,
+            "tensor a has data_offsets [4, 8], but the data section begins at 0",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": "two", "data_offsets": [0, 8]}},
+            8,
+            "header is not valid (tensor a has shape 'two')",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8]}},
+            8,
+            "header is not valid (not a JSON map of tensors to data_offsets)",
+        ),
+    ],
+    ids=["size", "overflowing shape", "overlap", "gap", "late start", "shape", "float offset"],
+)
+def test_a_header_whose_shapes_disagree_with_its_offsets_is_named(tmp_path, header, data_bytes, problem):
+    path = raw_safetensors(tmp_path / "model.safetensors", header, data_bytes)
+    with pytest.raises(ValueError) as caught:
+        check_safetensors_file(path)
+    assert str(caught.value) == f"{path} is truncated or corrupt: {problem}"
+
+
+def test_the_check_returns_the_tensor_entries(tmp_path):
+    header = check_safetensors_file(
+        _save(tmp_path / "model.safetensors", {"a": torch.zeros(2, 3, dtype=torch.bfloat16)})
+    )
+    assert header == {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]}}
+    zero = {
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+    }
+    check_safetensors_file(raw_safetensors(tmp_path / "zero.safetensors", zero, 4))  # empty tensors tile too
