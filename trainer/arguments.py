@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from trainer.hub_ids import check_hub_id, check_hub_id_if_remote
 from trainer.objective import ObjectiveConfig
 from trainer.recipe_types import convert, field_choices, field_types
 
@@ -54,6 +55,13 @@ class ModelArguments:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+
+    def __post_init__(self):
+        """Hub ids are refused where they are accepted: they land in the model card, its commands and URLs."""
+        if self.target_hub_id is not None:
+            check_hub_id(self.target_hub_id, "target_hub_id")
+        check_hub_id_if_remote(self.target, "target")
+        check_hub_id_if_remote(self.init_from, "init_from")
 
 
 @dataclass
@@ -135,6 +143,8 @@ class DFlashTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns must be False: the collator's loss_mask is not a forward argument.")
+        if self.hub_model_id is not None:
+            check_hub_id(self.hub_model_id, "hub_model_id")
         self.objective_config()  # validate early
 
     def objective_config(self) -> ObjectiveConfig:
