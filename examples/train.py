@@ -21,14 +21,15 @@ import transformers
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.arguments import parse_arguments
 from trainer.cli import run
+from trainer.config_bounds import FLOAT32_BYTES, check_draft_config, read_config_file
 from trainer.data import DFlashCollator, build_datasets
 from trainer.distributed import close_process_group
-from trainer.fileio import require_existing_path, write_file_atomically
+from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.preemption import TrainingInterrupted
 from trainer.target import FrozenTarget, check_target_sharding
 from trainer.trainer import DFlash2Trainer
-from trainer.warm_start import warm_start
+from trainer.warm_start import check_init_from, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
@@ -46,10 +47,19 @@ def resolve_path(path: str, what: str = "draft_config") -> Path:
 
 def build_draft(model_args):
     """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
+    # every config is read alone and its sizes and memory checked before a model is built from it
     if model_args.draft_config:
-        config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
+        path = resolve_path(model_args.draft_config)
+        check_draft_config(
+            read_config_file(path, "draft_config"),
+            f"draft_config {path}",
+            purpose="building this draft",
+            bytes_per_parameter=FLOAT32_BYTES,
+            detail="its fp32 weights",
+        )
+        config = DFlash2Config.from_json_file(path)
     elif model_args.init_from:
-        config = DFlash2Config.from_pretrained(require_existing_path(model_args.init_from, "init_from"))
+        config = DFlash2Config.from_pretrained(check_init_from(model_args.init_from))
         if not config.is_dflash2:
             raise ValueError("init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules.")
     else:
