@@ -25,6 +25,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # Servers draft block_size - 1 tokens per step and verify them in one target pass; published drafts
 # use 8 or 16, and acceptance beyond a few dozen tokens is nil. 64 is 4x the largest published.
 MAX_BLOCK_SIZE = 64
+MAX_TARGET_LAYERS = 1024
 
 # (minimum, maximum, why): the largest released dense LLMs have hidden 16384, MLP 53248, 126 layers,
 # 128 heads, vocabularies of 262k; a draft has 1-8 layers.
@@ -35,9 +36,9 @@ TOP_LEVEL_BOUNDS: dict[str, tuple[int, int, str]] = {
     "num_attention_heads": (1, 1024, "8x the most heads of a released LLM"),
     "num_key_value_heads": (1, 1024, "8x the most heads of a released LLM"),
     "vocab_size": (2, 1 << 22, "16x the largest released vocabulary"),
-    "num_target_layers": (1, 1024, "8x the deepest released LLM"),
 }
-OPTIONAL_BOUNDS: dict[str, tuple[int, int, str]] = {
+OPTIONAL_BOUNDS: dict[str, tuple[int, int, str]] = {  # a DFlash v1 config may omit them
+    "num_target_layers": (1, MAX_TARGET_LAYERS, "8x the deepest released LLM"),
     "head_dim": (2, 1024, "4x the largest released head_dim"),
 }
 DFLASH_BOUNDS: dict[str, tuple[int, int, str]] = {
@@ -117,7 +118,7 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
     if hidden % dfc.get("conv_group_size", 1):
         failures.append(f"dflash_config.conv_group_size {dfc['conv_group_size']} must divide hidden_size {hidden}")
     ids = dfc.get("target_layer_ids")
-    depth = config["num_target_layers"]
+    depth = config.get("num_target_layers") or MAX_TARGET_LAYERS
     if not isinstance(ids, list) or not 1 <= len(ids) <= depth or not all(_is_int(i) and 0 <= i < depth for i in ids):
         shown = ids if not isinstance(ids, list) or len(ids) <= 16 else f"a list of {len(ids)}"
         failures.append(f"dflash_config.target_layer_ids must be 1 to {depth} ids in [0, {depth}), got {shown!r}")

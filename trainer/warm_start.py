@@ -17,6 +17,7 @@ import os
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
+from trainer.config_bounds import FLOAT32_BYTES, check_checkpoint_config
 from trainer.fileio import check_local_checkpoint
 from trainer.loading import assert_draft_class
 
@@ -81,6 +82,26 @@ def check_warm_start_compatible(
             logger.warning("init_from %s: %s=%r, the recipe uses %r.", source_name, name, theirs, mine)
 
 
+# Bytes per parameter of a warm start: the fp32 draft, and the checkpoint's tensors as read (at most fp32).
+WARM_START_BYTES_PER_PARAMETER = 2 * FLOAT32_BYTES
+
+
+def check_init_from(init_from: str | os.PathLike, **hub_kwargs) -> str:
+    """`init_from` checked before anything is built from it: the path exists, its safetensors are
+    whole, and its config.json (read alone) has sizes within bounds and a draft that fits in memory.
+    Returns the spec to load from."""
+    init_from = check_local_checkpoint(init_from, "init_from", hub_kwargs.get("subfolder"))
+    check_checkpoint_config(
+        init_from,
+        "init_from",
+        purpose="warm-starting from this checkpoint",
+        bytes_per_parameter=WARM_START_BYTES_PER_PARAMETER,
+        detail="the fp32 draft and the checkpoint's tensors as read",
+        **hub_kwargs,
+    )
+    return init_from
+
+
 def warm_start(
     init_from: str | os.PathLike,
     recipe_config: DFlash2Config,
@@ -90,7 +111,7 @@ def warm_start(
 ) -> DFlash2DraftModel:
     """A DFlash2 draft with the recipe's config and `init_from`'s weights (dir or Hub id)."""
     source_name = str(init_from)
-    init_from = check_local_checkpoint(init_from, "init_from", hub_kwargs.get("subfolder"))
+    init_from = check_init_from(init_from, **hub_kwargs)
     source = DFlash2Config.from_pretrained(init_from, **hub_kwargs)
     check_warm_start_compatible(
         source, recipe_config, source_name=source_name, allow_block_size_change=allow_block_size_change
