@@ -11,7 +11,9 @@ recipe never trains on), or one prompt per line of --prompts (then reported as b
 Prompts are formatted with the target's chat template; the first --max-samples of at most
 --max-prompt-length tokens are decoded and the report counts those skipped for length. Writes
 speculative_report.{json,png,md} (the report, its plot, and the Markdown table the model card
-embeds) into --output, default <draft>/speculative/<benchmark>.
+embeds) into --output; by default into <draft>/speculative/<benchmark> when --draft is a training
+run of this project (it holds dflash2_recipe.json or trainer_state.json), else into
+outputs/evaluate/<draft name>/<benchmark>: an exported or downloaded draft folder is never written to.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.evaluation import evaluate_paths, plot_report, render_markdown
+from trainer.evaluation import default_report_folder, evaluate_paths, is_training_run, plot_report, render_markdown
 from trainer.fileio import write_file_atomically
 from trainer.loading import DRAFT_CLASSES, load_draft
 from trainer.prompt_sets import (
@@ -39,6 +41,9 @@ from trainer.prompt_sets import (
 from trainer.target import FrozenTarget
 
 REPORT = "speculative_report"
+SUMMARY_FILE = "demo_summary.json"
+MAX_SUMMARY_BYTES = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,7 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["selector", "unary"],
         help="proposal paths to decode (a draft without a selector always runs unary only)",
     )
-    parser.add_argument("--output", help="default: <draft>/speculative/<benchmark>")
+    parser.add_argument(
+        "--output",
+        help="default: <draft>/speculative/<benchmark> for a training run, else outputs/evaluate/<name>/<benchmark>",
+    )
     args = parser.parse_args(argv)
     if args.prompts and args.benchmark != "heldout":
         parser.error(f"--prompts replaces the held-out prompts; it does not combine with --benchmark {args.benchmark}")
@@ -119,13 +127,30 @@ def main(argv: list[str] | None = None) -> dict:
         top_k=args.top_k,
     )
     report = {"benchmark": args.benchmark_name, "skipped_for_length": selection.skipped_for_length, **decoded}
-    summary_file = Path(args.draft) / "demo_summary.json"
-    if args.benchmark_name == "heldout" and summary_file.exists():  # training evaluated on the same held-out set
-        report["teacher_forced"] = json.loads(summary_file.read_text())["trained"]
-    output = Path(args.output or Path(args.draft) / "speculative" / args.benchmark_name)
+    if args.benchmark_name == "heldout":  # training evaluated on the same held-out set
+        teacher_forced = training_summary(args.draft)
+        if teacher_forced is not None:
+            report["teacher_forced"] = teacher_forced
+    output = Path(args.output) if args.output else default_report_folder(args.draft, args.benchmark_name)
     write_report(report, output)
     print_report(report, output)
     return report
+
+
+def training_summary(draft: str) -> dict[str, float] | None:
+    """The teacher-forced metrics train.py wrote into its run (demo_summary.json), read as JSON only
+    from a training run folder; anything else there (too large, not the summary's shape) is skipped."""
+    summary_file = Path(draft).expanduser() / SUMMARY_FILE
+    if not is_training_run(draft) or not summary_file.is_file() or summary_file.stat().st_size > MAX_SUMMARY_BYTES:
+        return None
+    try:
+        trained = json.loads(summary_file.read_bytes()).get("trained")
+    except (ValueError, AttributeError):
+        trained = None
+    if not isinstance(trained, dict) or not all(isinstance(value, (int, float)) for value in trained.values()):
+        logger.warning("%s is not a training summary (no 'trained' metrics); not shown.", summary_file)
+        return None
+    return trained
 
 
 def report_file(output: Path, kind: str) -> Path:

@@ -116,6 +116,8 @@ def test_a_hub_draft_id_still_goes_to_the_hub(tmp_path, monkeypatch):
         raise AskedTheHub(name)
 
     monkeypatch.setattr(DFlash2Config, "from_pretrained", from_hub)
+    # a warm start reads config.json alone first, for its size checks: from the Hub too
+    monkeypatch.setattr("transformers.utils.cached_file", lambda name, filename, **kwargs: from_hub(name))
     for load in (load_draft, lambda spec: warm_start(spec, tiny_config())):
         with pytest.raises(AskedTheHub, match=r"^org/draft$"):
             load("org/draft")

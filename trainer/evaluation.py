@@ -138,6 +138,29 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+# What a training run folder of this project holds (trainer.trainer writes both); an exported or
+# downloaded draft holds neither.
+TRAINING_RUN_FILES = ("dflash2_recipe.json", "trainer_state.json")
+EVALUATE_ROOT = Path("outputs") / "evaluate"
+
+
+def is_training_run(draft: str | Path) -> bool:
+    """True for a local training run (or checkpoint-N) folder this project wrote."""
+    folder = Path(draft).expanduser()
+    return folder.is_dir() and any((folder / name).is_file() for name in TRAINING_RUN_FILES)
+
+
+def default_report_folder(draft: str | Path, benchmark: str) -> Path:
+    """Where a draft's reports go without --output: inside its training run, which this project
+    wrote, else `outputs/evaluate/<draft name>/<benchmark>`: an exported or downloaded draft folder
+    is never written into (it stays exactly as it was published)."""
+    if is_training_run(draft):
+        return Path(draft).expanduser() / "speculative" / benchmark
+    local = Path(draft).expanduser()
+    name = local.resolve().name if local.is_dir() else str(draft).replace("/", "--")
+    return EVALUATE_ROOT / name / benchmark
+
+
 def report_benchmark(report: dict[str, Any]) -> str:
     """The benchmark a report was measured on; reports written before benchmarks existed were
     always on the held-out chitchat prompts."""
