@@ -137,6 +137,20 @@ class DFlashTrainingArguments(TrainingArguments):
         default=0, metadata={"help": "Held-out prompts decoded for real at each evaluation (eval_spec_tau); 0 = off."}
     )
     spec_eval_max_new_tokens: int = 32
+    skip_nonfinite_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer steps with a non-finite loss or gradient norm to skip (logged; the weights and "
+            "optimizer state stay as they were) before the run stops; 0: the first one stops the run."
+        },
+    )
+    resume_allow_changes: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Fields a resumed run may change although they change the model, data, objective or "
+            "optimization (e.g. [learning_rate]); any other such change is refused (trainer.resume_check)."
+        },
+    )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False: batches carry masks."})
 
     def __post_init__(self):

@@ -10,6 +10,12 @@ backward and averaged over ranks by DDP/FSDP, that is exactly the pooled loss's 
 
 Metrics are additive (numerator, denominator) pairs kept per mode and reduced across processes in
 `log()`, so `tau_walk` in training and `eval_tau_walk` in evaluation are pooled exactly too.
+
+No non-finite step is ever saved. Before each optimizer step the gradient norm HF computes anyway
+(global across ranks) and the step's losses are checked, with one scalar all-reduce when there
+are several ranks, so every rank stops (or skips, `skip_nonfinite_steps`) at the same step; the
+weights are checked once more before every checkpoint and the final save. Resume compares the
+checkpoint's recorded recipe with the new run first (`trainer.resume_check`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from trainer.checkpoints import (
     STAGING_PREFIX,
     check_resumable,
     clean_leftovers,
+    disk_full_as_os_error,
     newest_complete_checkpoint,
     publish_staged,
     rotate,
@@ -41,7 +48,7 @@ from trainer.checkpoints import (
 from trainer.compile import compile_decoder_layers
 from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
 from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
-from trainer.fileio import replace_files_atomically, write_file_atomically
+from trainer.fileio import replace_files_atomically, reporting_disk_full, write_file_atomically
 from trainer.hub import PushExportOnSaveCallback, publish
 from trainer.metrics import MetricTerms, add_terms, flatten_terms, ratios
 from trainer.objective import (
@@ -52,6 +59,7 @@ from trainer.objective import (
     selector_alpha_at,
 )
 from trainer.preemption import PreemptionCallback
+from trainer.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
 from trainer.target import FrozenTarget, check_target_sharding
 
 logger = logging.getLogger(__name__)
@@ -100,6 +108,10 @@ class DFlash2Trainer(Trainer):
         self.add_callback(self.preemption)
         self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
         self._selector_alpha: float | None = None
+        self._step_loss_finite: torch.Tensor | None = None  # of the micro-batches of the step in progress
+        self.skipped_steps: list[int] = []
+        self._identity: dict[str, Any] | None = None
+        self._learning_rate_changed = False
         if self.args.push_to_hub and self.args.hub_strategy == "every_save":
             self.add_callback(PushExportOnSaveCallback(self))
         if self.args.spec_eval_prompts > 0 and self.eval_dataset is not None:
@@ -157,8 +169,8 @@ class DFlash2Trainer(Trainer):
         if model.training and "loss_denominator" in inputs:
             denominator = inputs["loss_denominator"]
             loss = result.numerator * self.accelerator.num_processes / denominator.clamp(min=1e-12)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite DFlash2 loss at step {self.state.global_step}: {loss.item()}")
+            finite = torch.isfinite(loss.detach())  # checked (one sync) before the optimizer step
+            self._step_loss_finite = finite if self._step_loss_finite is None else self._step_loss_finite & finite
         else:
             loss = result.loss
         return (loss, None) if return_outputs else loss
@@ -201,6 +213,71 @@ class DFlash2Trainer(Trainer):
             target_final_hidden=target_final.to(dtype) if distills else None,
         )
 
+    # -- non-finite steps: never stepped into a checkpoint ----------------------------------------
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """HF's pre-step gradient norm, checked with the step's losses before the optimizer steps."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._check_step_is_finite(model, grad_norm)
+        return grad_norm
+
+    def _check_step_is_finite(self, model, grad_norm) -> None:
+        """Stop (FloatingPointError) or skip (`skip_nonfinite_steps`) a step whose loss or gradient
+        norm is not finite; every rank decides alike (the norm is global, the loss flags are
+        all-reduced), and a skipped step drops its gradients so the optimizer leaves the weights and
+        its own state untouched."""
+        loss_finite, self._step_loss_finite = self._step_loss_finite, None
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        norm = torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32).to(self.args.device)
+        bad_loss = torch.zeros((), device=self.args.device) if loss_finite is None else (~loss_finite).float()
+        flags = torch.stack([bad_loss.to(self.args.device), (~torch.isfinite(norm)).float()])
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        loss_is_bad, norm_is_bad = (bool(flag) for flag in flags.tolist())
+        if not (loss_is_bad or norm_is_bad):
+            return
+        step = self.state.global_step + 1
+        what = "loss" if loss_is_bad else f"gradient norm ({norm.item():g})"
+        limit = self.args.skip_nonfinite_steps
+        if len(self.skipped_steps) < limit:
+            self.skipped_steps.append(step)
+            for parameter in model.parameters():
+                parameter.grad = None  # torch optimizers skip parameters without a gradient: no update at all
+            logger.warning(
+                "non-finite %s at step %d: step skipped, weights and optimizer state unchanged (%d of at most %d, "
+                "skip_nonfinite_steps)",
+                what,
+                step,
+                len(self.skipped_steps),
+                limit,
+            )
+            return
+        skipped = f" after skipping {limit} step(s) (skip_nonfinite_steps: {limit})" if limit else ""
+        raise FloatingPointError(f"non-finite {what} at step {step}{skipped}: {self._nothing_saved()}")
+
+    def _last_good(self) -> str:
+        """What a user still has when a save is refused or fails: the newest complete checkpoint."""
+        good = self.last_checkpoint or newest_complete_checkpoint(Path(self.args.output_dir))
+        return f"the last good checkpoint is {good}" if good else "there is no good checkpoint yet"
+
+    def _nothing_saved(self) -> str:
+        return f"no checkpoint saved; {self._last_good()}"
+
+    def _weights_are_finite(self) -> bool:
+        """One pass over this rank's parameters (its shards under FSDP) and one all-reduce."""
+        flags = []
+        for parameter in self.model.parameters():
+            local = parameter.detach()
+            local = local.to_local() if hasattr(local, "to_local") else local
+            if local.is_floating_point() and local.numel():
+                flags.append(torch.isfinite(local).all())
+        bad = torch.zeros((), device=self.args.device)
+        if flags:
+            bad = (~torch.stack(flags).all()).float().to(self.args.device)
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -212,7 +289,8 @@ class DFlash2Trainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """HF `train`, plus: leftovers of interrupted saves are cleaned up first, `True` resumes from
         the newest *complete* checkpoint (or starts fresh when there is none), a named checkpoint
-        is checked before use, and SIGTERM/SIGINT save a checkpoint and stop (`self.preemption`)."""
+        is checked before use and against the new run (`trainer.resume_check`, before any weights
+        load), and SIGTERM/SIGINT save a checkpoint and stop (`self.preemption`)."""
         if self.args.should_save:
             clean_leftovers(Path(self.args.output_dir))
         self.accelerator.wait_for_everyone()
@@ -224,7 +302,14 @@ class DFlash2Trainer(Trainer):
             self.preemption.uninstall()
 
     def resolve_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """A checkpoint path to resume from, or None for a fresh start."""
+        """A checkpoint path to resume from (complete, and recorded with the same run), or None for a fresh start."""
+        resume = self._resume_path(resume_from_checkpoint)
+        if resume is not None:
+            allowed = check_unchanged(Path(resume), self.recipe_record(), self.args.resume_allow_changes)
+            self._learning_rate_changed = "learning_rate" in allowed
+        return resume
+
+    def _resume_path(self, resume_from_checkpoint: str | bool | None) -> str | None:
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
             resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         if not resume_from_checkpoint:
@@ -239,6 +324,15 @@ class DFlash2Trainer(Trainer):
         check_resumable(Path(resume_from_checkpoint), needs_optimizer=not self.args.save_only_model)
         return str(resume_from_checkpoint)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """HF's load, then an allowed learning-rate change takes effect (the loaded states carry the old one)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._learning_rate_changed:
+            apply_learning_rate(self.optimizer, self.lr_scheduler, self.args.learning_rate)
+            logger.warning(
+                "learning_rate %s takes effect at step %d", self.args.learning_rate, self.state.global_step + 1
+            )
+
     # -- saving ---------------------------------------------------------------------------------
 
     def _get_output_dir(self, trial) -> str:
@@ -248,10 +342,33 @@ class DFlash2Trainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """HF's checkpoint (draft, optimizer, scheduler, RNG, trainer state) written by every rank
         into a staging folder, then renamed to `checkpoint-N` with a completion manifest: a kill at
-        any instant leaves either the whole checkpoint or none of it under its final name."""
+        any instant leaves either the whole checkpoint or none of it under its final name.
+
+        Non-finite weights are never saved (nor do they rotate a good checkpoint away); a full disk
+        is one line naming the checkpoint, the step and the one kept, with the staging folder
+        removed (so the disk does not fill further) and rotation not run."""
         run_dir = Path(super()._get_output_dir(trial))
         step = self.state.global_step
+        if not self._weights_are_finite():
+            raise FloatingPointError(f"non-finite weights at step {step}: {self._nothing_saved()}")
         parent = staging_parent(run_dir, step)
+        final = run_dir / f"checkpoint-{step}"
+        kept = f"{self._last_good()} (kept; nothing was rotated away)"
+        with reporting_disk_full(f"the checkpoint of step {step}", final, kept=kept):
+            try:
+                with disk_full_as_os_error(parent):
+                    self._save_checkpoint_staged(model, trial, run_dir, parent, final, step)
+            except BaseException:
+                if self.args.should_save:
+                    shutil.rmtree(parent, ignore_errors=True)
+                raise
+        if self.args.should_save:
+            rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint])
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+    def _save_checkpoint_staged(self, model, trial, run_dir: Path, parent: Path, final: Path, step: int) -> None:
+        """HF's `_save_checkpoint` into `parent`, then published as `final` by the saving rank."""
         if self.args.should_save:
             shutil.rmtree(parent, ignore_errors=True)
         self.accelerator.wait_for_everyone()
@@ -261,27 +378,34 @@ class DFlash2Trainer(Trainer):
         finally:
             self._staging_parent = None
         self.accelerator.wait_for_everyone()
-        final = run_dir / f"checkpoint-{step}"
         if self.args.should_save:
             staged = parent / final.name
             if self.state.best_model_checkpoint == str(staged):
                 self.state.best_model_checkpoint = str(final)
                 self.state.save_to_json(str(staged / "trainer_state.json"))
             publish_staged(staged, final, step)
-            rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint])
-        self.accelerator.wait_for_everyone()
-        self.last_checkpoint = final
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every save writes the publishable draft (config.json, model.safetensors, the two modeling
         files, a correct auto_map) and the recipe as JSON. A checkpoint being staged is written in
         place; any other folder (the run's own, holding its checkpoints) gets each file replaced by
-        one rename, so a kill never leaves a half-written draft behind."""
+        one rename, so a kill never leaves a half-written draft behind; non-finite weights are
+        refused and a full disk leaves the previous files in place, in one line either way."""
         output_dir = Path(output_dir or self.args.output_dir)
-        if output_dir.parent.name.startswith(STAGING_PREFIX) or not self.args.should_save:
+        if output_dir.parent.name.startswith(STAGING_PREFIX):  # inside _save_checkpoint: checked there
+            self._write_draft(output_dir)
+        elif not self._weights_are_finite():
+            raise FloatingPointError(
+                f"non-finite weights after step {self.state.global_step}: the draft was not saved to {output_dir}; "
+                f"{self._last_good()}"
+            )
+        elif not self.args.should_save:
             self._write_draft(output_dir)
         else:
-            replace_files_atomically(output_dir, self._write_draft)
+            kept = f"the files there are the previous ones; {self._last_good()}"
+            what = f"the draft of step {self.state.global_step} to"
+            with reporting_disk_full(what, output_dir, kept=kept), disk_full_as_os_error(output_dir):
+                replace_files_atomically(output_dir, self._write_draft)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -305,7 +429,8 @@ class DFlash2Trainer(Trainer):
         """The run's trainer_state.json, replaced in one rename (HF writes it in place)."""
         if self.is_world_process_zero():
             path = Path(self.args.output_dir) / "trainer_state.json"
-            write_file_atomically(path, lambda temporary: self.state.save_to_json(str(temporary)))
+            with reporting_disk_full("the trainer state", path, kept="the previous trainer_state.json is kept"):
+                write_file_atomically(path, lambda temporary: self.state.save_to_json(str(temporary)))
 
     def recipe_record(self) -> dict[str, Any]:
         """The whole recipe as JSON (what export and provenance read; never a pickle), secrets removed."""
@@ -314,8 +439,16 @@ class DFlash2Trainer(Trainer):
                 "format": "dflash2-hub recipe",
                 **self.recipe,
                 "training_arguments": json.loads(self.args.to_json_string()),
+                IDENTITY_KEY: self.run_identity(),
             }
         )
+
+    def run_identity(self) -> dict[str, Any]:
+        """Draft config, target and dataset fingerprints and world size (computed once per run)."""
+        if self._identity is None:
+            config = self.accelerator.unwrap_model(self.model).config
+            self._identity = run_identity(config, self.target, self.train_dataset, self.args.world_size)
+        return self._identity
 
     # -- publishing: exports only, never raw checkpoints -----------------------------------------
 
