@@ -112,6 +112,23 @@ def wider_target(base: Path, where: Path) -> str:
     return str(where / "wide-target")
 
 
+def edited_checkpoint(base: Path, where: Path, name: str, dflash: dict | None = None, **changes) -> str:
+    """A copy of the base checkpoint whose config.json has `changes` (and `dflash` in dflash_config)."""
+    copy = where / name
+    copy.mkdir()
+    for path in (base / "checkpoint").iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    config = json.loads((copy / "config.json").read_text())
+    config.update(changes)
+    config["dflash_config"].update(dflash or {})
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def export_argv(checkpoint: str, base: Path, where: Path, *flags: str) -> list[str]:
+    return [checkpoint, str(where / "out"), "--target", str(base / "target"), *flags]
+
+
 HELD_LOCKS: list[FolderLock] = []  # kept open for the rest of the session, as a live run would
 
 
@@ -349,6 +366,106 @@ CASES = [
     # -- reliability (issue 22): regeneration journal and endpoint
     # -- reliability (issue 22): feature stores
     # -- reliability (issue 22): export, publish, hub ids and evaluate
+    Case(
+        "export a checkpoint with a huge block_size",
+        "export",
+        lambda base, where: export_argv(
+            edited_checkpoint(base, where, "huge-block", dflash={"block_size": 1000000}), base, where
+        ),
+        "checkpoint {case}/huge-block/config.json: dflash_config.block_size is 1000000, outside [2, 64] (servers draft",
+    ),
+    Case(
+        "export a checkpoint 1e9 wide",
+        "export",
+        lambda base, where: export_argv(edited_checkpoint(base, where, "wide", hidden_size=10**9), base, where),
+        "checkpoint {case}/wide/config.json: hidden_size is 1000000000, outside [1, 65536]",
+    ),
+    Case(
+        "export a draft larger than memory",
+        "export",
+        lambda base, where: export_argv(
+            edited_checkpoint(
+                base,
+                where,
+                "huge",
+                hidden_size=65536,
+                intermediate_size=262144,
+                num_hidden_layers=4,
+                layer_types=["full_attention"] * 4,
+            ),
+            base,
+            where,
+        ),
+        "checkpoint {case}/huge/config.json: exporting this draft needs about 3024.4 GiB "
+        "(231,956,677,520 parameters x 14 bytes",
+    ),
+    Case(
+        "warm start from a checkpoint 1e9 wide",
+        "train",
+        lambda base, where: [
+            recipe(base, where, draft_config=None, init_from=edited_checkpoint(base, where, "wide", hidden_size=10**9))
+        ],
+        "init_from {case}/wide/config.json: hidden_size is 1000000000, outside [1, 65536]",
+    ),
+    Case(
+        "warm start from a checkpoint with a huge block_size",
+        "train",
+        lambda base, where: [
+            recipe(
+                base,
+                where,
+                init_from=edited_checkpoint(base, where, "huge-block", dflash={"block_size": 1000000}),
+                init_allow_block_size_change=True,
+            )
+        ],
+        "init_from {case}/huge-block/config.json: dflash_config.block_size is 1000000, outside [2, 64]",
+    ),
+    Case(
+        "a draft_config 1e9 wide",
+        "train",
+        lambda base, where: [
+            recipe(base, where, draft_config=edited_checkpoint(base, where, "wide", hidden_size=10**9) + "/config.json")
+        ],
+        "draft_config {case}/wide/config.json: hidden_size is 1000000000, outside [1, 65536]",
+    ),
+    Case(
+        "a --target-hub-id with a newline and front matter",
+        "export",
+        lambda base, where: export_argv(
+            str(base / "checkpoint"), base, where, "--target-hub-id", "org/x\n---\nlicense: evil"
+        ),
+        "--target-hub-id: 'org/x\\n---\\nlicense: evil' is not a valid Hub repo id (Repo id must use alphanumeric",
+    ),
+    Case(
+        "a --push-to-hub id with a command substitution",
+        "export",
+        lambda base, where: export_argv(str(base / "checkpoint"), base, where, "--push-to-hub", "$(touch /tmp/x)"),
+        "--push-to-hub: '$(touch /tmp/x)' is not a valid Hub repo id (Repo id must be in the form",
+    ),
+    Case(
+        "publish to a repo id with backticks",
+        "publish",
+        lambda base, where: [str(base / "checkpoint"), "org/`id`"],
+        "repo_id: 'org/`id`' is not a valid Hub repo id (Repo id must use alphanumeric",
+    ),
+    Case(
+        "a recipe target_hub_id with quotes",
+        "train",
+        train_with(target_hub_id="org/x'; rm -rf ~"),
+        'target_hub_id: "org/x\'; rm -rf ~" is not a valid Hub repo id (',
+    ),
+    Case(
+        "a recipe hub_model_id with --",
+        "train",
+        train_with(hub_model_id="org/a--b"),
+        "hub_model_id: 'org/a--b' is not a valid Hub repo id (Cannot have -- or .. in repo_id)",
+    ),
+    Case(
+        "a recipe Hub target with a command substitution",
+        "train",
+        train_with(target="org/$(touch x)"),
+        "target: 'org/$(touch x)' is not a valid Hub repo id (",
+    ),
 ]
 
 
