@@ -30,6 +30,7 @@ from trainer.preemption import TrainingInterrupted
 from trainer.target import FrozenTarget, check_target_sharding
 from trainer.trainer import DFlash2Trainer
 from trainer.warm_start import check_init_from, warm_start
+from trainer.watchdog import start_watchdog
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
@@ -106,6 +107,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.logging.set_verbosity_warning()
     transformers.set_seed(training_args.seed)
+    liveness = start_watchdog(training_args)  # each rank watches the others from here on (rank_stall_timeout)
     check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
 
     target = FrozenTarget.load(
@@ -132,6 +134,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DFlashCollator(pad_id),
+        callbacks=liveness,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.preemption.stopped_at_step is not None:

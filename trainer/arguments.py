@@ -151,10 +151,21 @@ class DFlashTrainingArguments(TrainingArguments):
             "optimization (e.g. [learning_rate]); any other such change is refused (trainer.resume_check)."
         },
     )
+    rank_stall_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds without a heartbeat from another rank's process (stopped, hung host, lost network) "
+            "before the job stops with one line naming it (trainer.watchdog). The heartbeat is a thread, so a "
+            "rank's long solo work (a checkpoint write, a first-step torch.compile) does not pause it; the "
+            "margin covers a process starved by swapping or a long call holding the GIL. 0: off."
+        },
+    )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False: batches carry masks."})
 
     def __post_init__(self):
         super().__post_init__()
+        if not self.rank_stall_timeout >= 0:
+            raise ValueError(f"rank_stall_timeout must be >= 0 seconds (0: off), not {self.rank_stall_timeout}")
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns must be False: the collator's loss_mask is not a forward argument.")
         if self.hub_model_id is not None:

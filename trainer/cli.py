@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import yaml
 
 from trainer.preemption import TrainingInterrupted
+from trainer.watchdog import watched_run
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
@@ -48,7 +49,8 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
     debug = debug_requested(argv)
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
     try:
-        main(argv)
+        with watched_run(debug):  # a collective failed by a lost rank: one line naming it, exit 1
+            main(argv)
     except TrainingInterrupted as stop:
         say(f"interrupted: {stop}")
         sys.exit(stop.exit_status)
