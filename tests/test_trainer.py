@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import errno
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import transformers.modeling_utils
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.arguments import DFlashTrainingArguments
+from trainer.checkpoints import checkpoint_problems
 from trainer.data import DFlashCollator
 from trainer.feature_store import OfflineDataset, prepare_features
+from trainer.fileio import DiskFullError
 from trainer.trainer import DFlash2Trainer
 
 CHECKPOINT_FILES = {
@@ -220,3 +227,182 @@ def test_checkpoint_loads_through_automodel(target, dataset, tmp_path):
     trainer.save_model()
     loaded = AutoModel.from_pretrained(Path(tmp_path), trust_remote_code=True)
     assert type(loaded).__name__ == "DFlash2DraftModel"
+
+
+# -- non-finite steps, non-finite weights and full disks: never a bad or partial checkpoint ---------
+
+
+def poison_gradients(trainer: DFlash2Trainer, steps: set[int]) -> None:
+    """The loss of each listed step stays finite but its gradients become NaN (what a learning rate
+    of 10000 does to the tiny run at step 4)."""
+    real = trainer.compute_loss
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = real(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and trainer.state.global_step + 1 in steps:
+            loss = loss + (loss * float("nan") - loss.detach() * float("nan"))  # finite value, NaN gradient
+        return loss
+
+    trainer.compute_loss = compute_loss
+
+
+def poison_loss(trainer: DFlash2Trainer, steps: set[int]) -> None:
+    """The objective of each listed step returns a NaN loss."""
+    real = trainer._objective
+
+    def objective(model, draft, inputs):
+        result = real(model, draft, inputs)
+        if model.training and trainer.state.global_step + 1 in steps:
+            result = dataclasses.replace(result, numerator=result.numerator * float("nan"))
+        return result
+
+    trainer._objective = objective
+
+
+def test_a_non_finite_step_at_a_save_step_is_never_saved_and_rotates_nothing_away(target, dataset, tmp_path):
+    trainer = make_trainer(
+        target, dataset, tmp_path, max_steps=8, save_strategy="steps", save_steps=2, save_total_limit=1
+    )
+    poison_gradients(trainer, {4})
+    with pytest.raises(FloatingPointError) as stopped:
+        trainer.train()
+    good = tmp_path / "checkpoint-2"
+    assert str(stopped.value) == (
+        f"non-finite gradient norm (nan) at step 4: no checkpoint saved; the last good checkpoint is {good}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert all(torch.isfinite(p).all() for p in load_file(tmp_path / "checkpoint-2" / "model.safetensors").values())
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step(target, dataset, tmp_path):
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=4)
+    poison_loss(trainer, {1})
+    with pytest.raises(FloatingPointError, match=r"^non-finite loss at step 1: no checkpoint saved; there is no good"):
+        trainer.train()
+
+
+class Snapshots(TrainerCallback):
+    """Weights and optimizer state after each step."""
+
+    def __init__(self):
+        self.after: dict[int, tuple[dict, dict]] = {}
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.after[state.global_step] = (weights, copy.deepcopy(optimizer.state_dict()))
+
+
+def _same_state(left: dict, right: dict) -> bool:
+    if isinstance(left, dict):
+        return left.keys() == right.keys() and all(_same_state(left[k], right[k]) for k in left)
+    if isinstance(left, (list, tuple)):
+        return len(left) == len(right) and all(_same_state(a, b) for a, b in zip(left, right, strict=True))
+    if isinstance(left, torch.Tensor):
+        return torch.equal(left, right)
+    return left == right
+
+
+def test_skip_nonfinite_steps_leaves_weights_and_optimizer_untouched_then_stops(target, dataset, tmp_path, caplog):
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=6, skip_nonfinite_steps=1, weight_decay=0.1)
+    poison_gradients(trainer, {3, 5})
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    with pytest.raises(FloatingPointError, match=r"^non-finite gradient norm \(nan\) at step 5 after skipping 1 step"):
+        trainer.train()
+    assert trainer.skipped_steps == [3]
+    assert "non-finite gradient norm (nan) at step 3: step skipped" in caplog.text
+    (weights_2, optimizer_2), (weights_3, optimizer_3) = snapshots.after[2], snapshots.after[3]
+    assert all(torch.equal(weights_2[name], weights_3[name]) for name in weights_2)  # not even weight decay
+    assert _same_state(optimizer_2["state"], optimizer_3["state"])  # Adam's moments and step count too
+    weights_4 = snapshots.after[4][0]
+    assert not all(torch.equal(weights_3[name], weights_4[name]) for name in weights_3)  # step 4 trained
+    assert all(torch.isfinite(tensor).all() for tensor in weights_4.values())
+
+
+class PoisonWeights(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("inf")
+
+
+def test_non_finite_weights_are_neither_checkpointed_nor_saved(target, dataset, tmp_path):
+    trainer = make_trainer(target, dataset, tmp_path, save_strategy="steps", save_steps=2)
+    trainer.add_callback(PoisonWeights(4))
+    with pytest.raises(FloatingPointError) as stopped:
+        trainer.train()
+    good = tmp_path / "checkpoint-2"
+    assert (
+        str(stopped.value) == f"non-finite weights at step 4: no checkpoint saved; the last good checkpoint is {good}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    with pytest.raises(FloatingPointError) as refused:
+        trainer.save_model()
+    assert str(refused.value) == (
+        f"non-finite weights after step 4: the draft was not saved to {tmp_path}; the last good checkpoint is {good}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_the_previous_checkpoint(
+    target, dataset, tmp_path, monkeypatch
+):
+    trainer = make_trainer(target, dataset, tmp_path, save_strategy="steps", save_steps=2, save_total_limit=1)
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if "checkpoint-4" in str(path) and str(path).endswith("optimizer.pt"):
+            no_space()
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(DiskFullError) as full:
+        trainer.train()
+    message = str(full.value)
+    assert message.startswith(
+        f"no space left on device while writing the checkpoint of step 4 {tmp_path / 'checkpoint-4'} ("
+    )
+    assert message.endswith(
+        f" free); the last good checkpoint is {tmp_path / 'checkpoint-2'} (kept; nothing was rotated away)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # the staging folder is gone
+    assert checkpoint_problems(tmp_path / "checkpoint-2") == []
+
+
+def test_a_full_disk_reported_by_safetensors_is_a_full_disk_too(target, dataset, tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+
+    def save_file(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+    with pytest.raises(DiskFullError, match=r"^no space left on device while writing the checkpoint of step 2 "):
+        trainer.train()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_the_final_save_keeps_the_previous_draft(target, dataset, tmp_path, monkeypatch):
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model()
+    before = (tmp_path / "model.safetensors").read_bytes()
+    trainer.train()  # new weights, then a full disk while they are written
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", no_space)
+    with pytest.raises(DiskFullError) as full:
+        trainer.save_model()
+    assert str(full.value).startswith(f"no space left on device while writing the draft of step 1 to {tmp_path} (")
+    assert "free); the files there are the previous ones; there is no good checkpoint yet" in str(full.value)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(trainer.state, "save_to_json", lambda path: no_space())
+    with pytest.raises(DiskFullError, match=r"^no space left on device while writing the trainer state "):
+        trainer.save_state()
