@@ -5,12 +5,14 @@ resume after a dead server and after kill -9, nothing lost or duplicated; wrong 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from tests.openai_server import LoopbackOpenAI
 from tests.tiny_target import tiny_target
 from trainer import regeneration as regeneration_module
 from trainer.endpoint import EndpointError, EndpointSettings
+from trainer.fileio import DiskFullError
+from trainer.locks import FolderInUseError
 from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.response_journal import ResponseJournal
 
@@ -179,7 +183,7 @@ def test_timeouts_are_retried_then_reported_with_what_is_kept(target, tmp_path):
         server.delay = 1.0
         with pytest.raises(
             EndpointError,
-            match=r"still failing after 2 attempts \(no whole answer within regenerate_timeout=0.3 s.*0 of 6 conversations",
+            match=r"still failing after 2 attempts \(no whole answer within regenerate_timeout=0.3 s.*0 of 6 convers",
         ):
             regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server, timeout=0.3, max_retries=1))
         server.wait_idle()
@@ -286,3 +290,233 @@ def test_endpoint_recipe_keys_are_checked(tmp_path):
         DataArguments(regenerate=True, regenerate_endpoint="http://h/v1", enable_thinking=False)
     )
     assert settings.chat_template_kwargs == {"enable_thinking": False}
+
+
+# -- reliability (issue 22) --------------------------------------------------------------------------
+
+
+def journal_of(cache: Path) -> Path:
+    (path,) = (cache / "generated").glob("*.journal.jsonl")
+    return path
+
+
+def test_a_damaged_journal_loses_only_its_bad_lines_and_a_full_disk_keeps_it(
+    target, tmp_path, in_process, monkeypatch, caplog
+):
+    """A full disk while the dataset is written keeps the whole journal; a garbage line and a row
+    out of range in the middle of it cost those two conversations, not everything after them."""
+    many = CONVERSATIONS * 2
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with LoopbackOpenAI(target) as server:
+        with monkeypatch.context() as patched:
+            patched.setattr(datasets.Dataset, "save_to_disk", full)
+            with pytest.raises(DiskFullError) as error:
+                regenerate(target, many, SETTINGS, tmp_path, endpoint=fast(server))
+        journal = journal_of(tmp_path)
+        entry = journal.with_name(journal.name.removesuffix(".journal.jsonl"))
+        assert str(error.value).startswith(f"no space left on device while writing the regenerated dataset {entry} (")
+        assert str(error.value).endswith(
+            f"the 12 conversations are kept in the journal {journal}: free space, then rerun to resume"
+        )
+        lines = journal.read_text().splitlines()
+        assert len(lines) == 12 and not entry.exists()
+        dropped = [json.loads(lines[3])["row"], json.loads(lines[6])["row"]]
+        lines[3] = "garbage"
+        lines[6] = lines[6].replace(f'"row": {dropped[1]}', '"row": 15')
+        journal.write_text("\n".join(lines) + "\n")
+        asked_before = server.completions
+        caplog.clear()
+        dataset = regenerate(target, many, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process) * 2
+    assert server.completions - asked_before == 1 + sum(len(answer_points(many[row])) for row in dropped)
+    assert (
+        f"journal {journal}: kept 10 records, dropped 2 invalid (line 4: not JSON; line 7: row 15 out of range (0..11))"
+        in caplog.text
+    )
+
+
+def test_empty_answers_are_counted_never_cached_and_asked_again(target, tmp_path, in_process):
+    with LoopbackOpenAI(target) as empty:
+        empty.empty_answers = True
+        with pytest.raises(ValueError) as error:
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, name="dataset chat", endpoint=fast(empty))
+    journal = journal_of(tmp_path)
+    assert str(error.value) == (
+        "dataset chat: none of the 6 conversations was answered (6 answered with nothing (empty answer)); nothing is "
+        f"cached, and the journal {journal} is kept: a rerun asks again for the 6 refused or answered with nothing "
+        "(remove the journal to start over)"
+    )
+    assert [p.name for p in (tmp_path / "generated").iterdir() if not p.name.startswith(".")] == [journal.name]
+    with LoopbackOpenAI(target) as good:
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(good))
+    assert rows(dataset) == rows(in_process)
+    assert good.completions == 1 + sum(len(answer_points(messages)) for messages in CONVERSATIONS)
+
+
+def test_answers_cut_at_max_tokens_are_counted_in_the_one_summary(target, tmp_path, caplog):
+    prompts = [prompt_conversation(p) for p in ("hi", "tell me about the weather today", "good morning")]
+    regenerate(target, prompts, GenerationSettings(max_new_tokens=1), tmp_path, name="dataset p")
+    assert (
+        "dataset p: every one of the 3 answers was cut at regenerate_max_tokens=1: none ends its turn, so the draft "
+        "never learns how answers end; raise regenerate_max_tokens." in caplog.text
+    )
+
+
+@pytest.mark.parametrize(
+    ("route", "content_type", "body", "message"),
+    [
+        (
+            "models",
+            "text/html",
+            b"<html><body>Sign in</body></html>",
+            r"/v1/models answered HTTP 200 with a body that is not JSON \(content-type text/html\): '<html><body>",
+        ),
+        ("models", "application/json", b'{"data": 5}', r"GET /models answered a malformed body"),
+        (
+            "completions",
+            "text/html",
+            b"<html>proxy error</html>",
+            r"/chat/completions answered HTTP 200 with a body that is not JSON \(content-type text/html\): '<html>",
+        ),
+        (
+            "completions",
+            "application/json",
+            b'{"usage": {}}',
+            r"/v1/chat/completions answered a body without `choices`",
+        ),
+        (
+            "completions",
+            "application/json",
+            b'{"choices": []}',
+            r"/v1/chat/completions answered an empty `choices` list",
+        ),
+        (
+            "completions",
+            "application/json",
+            b'{"choices": [{"message": null}]}',
+            r"/v1/chat/completions answered a choice whose `message` is null",
+        ),
+        (
+            "completions",
+            "application/json",
+            b'{"choices": [{"message": {"content": [1]}}]}',
+            r"`message.content` that is not a string: \[1\]",
+        ),
+        ("completions", "application/json", b"[1]", r"/v1/chat/completions answered list JSON, not an object"),
+    ],
+)
+def test_every_malformed_body_is_an_endpoint_error_naming_the_url(target, tmp_path, route, content_type, body, message):
+    with LoopbackOpenAI(target) as server:
+        setattr(server, f"raw_{route}", (content_type, body))
+        with pytest.raises(EndpointError, match=message) as error:
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert server.url in str(error.value)
+
+
+def test_a_trickling_server_is_cut_off_by_the_whole_request_deadline(target, tmp_path, capsys):
+    from examples import prepare
+    from tests.distributed.tiny_setup import write_tiny_run
+    from trainer.cli import run
+
+    recipe = write_tiny_run(tmp_path, regenerate=True, max_new_tokens=6, generation_batch_size=1)
+    with LoopbackOpenAI(target) as server:
+        server.trickle = 0.25  # every read arrives well within regenerate_timeout; the request never ends
+        flags = ["--regenerate_endpoint", server.url, "--regenerate_timeout", "1", "--regenerate_max_retries", "1"]
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as exit_info:
+            run(prepare.main, [str(recipe), *flags, "--regenerate-only"])
+        elapsed = time.monotonic() - started
+    assert exit_info.value.code == 2 and elapsed < 15
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {server.url}/chat/completions: still failing after 2 attempts "
+        "(no whole answer within regenerate_timeout=1 s)"
+    ), errors
+
+
+def test_two_regenerations_of_one_entry_in_one_job_ask_once(target, tmp_path, in_process, monkeypatch):
+    """Ranks of one job (same TORCHELASTIC_RUN_ID) wait for the one filling the entry, then reuse it."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    results: dict[int, object] = {}
+    with LoopbackOpenAI(target) as server:
+        server.delay = 0.05
+
+        def regenerate_into(slot: int) -> None:
+            try:
+                results[slot] = rows(regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server)))
+            except Exception as error:  # reported by the assertion below
+                results[slot] = error
+
+        threads = [threading.Thread(target=regenerate_into, args=(slot,)) for slot in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert results == {0: rows(in_process), 1: rows(in_process)}
+    assert server.completions == 1 + sum(len(answer_points(messages)) for messages in CONVERSATIONS)
+
+
+@pytest.mark.slow
+def test_a_second_process_on_a_held_entry_is_refused_naming_the_holder(target, tmp_path, in_process):
+    child = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.tiny_target import tiny_target
+        from tests.test_regeneration import CONVERSATIONS, SETTINGS
+        from trainer.endpoint import EndpointSettings
+        from trainer.regeneration import regenerate
+        regenerate(tiny_target(), CONVERSATIONS, SETTINGS, __import__("pathlib").Path({str(tmp_path)!r}),
+                   endpoint=EndpointSettings(url=sys.argv[1], concurrency=1))
+        """
+    )
+    with LoopbackOpenAI(target) as server:
+        server.delay = 0.3  # slow answers: the child holds the entry a few seconds
+        process = subprocess.Popen([sys.executable, "-c", child, server.url], cwd=REPO)
+        try:
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / "generated").glob("*.journal.jsonl")):
+                assert time.monotonic() < deadline and process.poll() is None, "the child never started its journal"
+                time.sleep(0.05)
+            entry = journal_of(tmp_path).with_name(journal_of(tmp_path).name.removesuffix(".journal.jsonl"))
+            with pytest.raises(FolderInUseError) as error:
+                regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+            assert str(error.value).startswith(
+                f"regeneration cache entry {entry} is in use by another run (pid {process.pid} on "
+            )
+            assert process.wait(timeout=120) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process)
+    assert len(server.asked) == len(set(server.asked))  # nothing asked twice
+
+
+def test_a_full_disk_while_journaling_is_one_line_and_the_rerun_resumes(target, tmp_path, in_process, monkeypatch):
+    from trainer import response_journal
+
+    real, appended = response_journal.write_record, []
+
+    def fills_up(descriptor: int, data: bytes) -> None:
+        if len(appended) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(descriptor, data)
+        appended.append(data)
+
+    with LoopbackOpenAI(target) as server:
+        with monkeypatch.context() as patched:
+            patched.setattr(response_journal, "write_record", fills_up)
+            with pytest.raises(DiskFullError) as error:
+                regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server, concurrency=1))
+        journal = journal_of(tmp_path)
+        assert str(error.value).startswith(
+            f"no space left on device while writing the regeneration journal {journal} ("
+        )
+        assert str(error.value).endswith("free); 2 of 6 conversations are kept in it: free space, then rerun to resume")
+        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+    assert rows(dataset) == rows(in_process)
