@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,14 @@ def shell_line(*segments: list[str]) -> str:
     return " \\\n    ".join(shlex.join(segment) for segment in segments)
 
 
+def code_block(language: str, text: str) -> str:
+    """`text` fenced so that nothing inside can close the fence: a quoted shell word may hold a
+    newline followed by backticks, so the fence is longer than any backtick run in `text`."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"
+
+
 def python_string(value: str) -> str:
     """`value` as a Python string literal (JSON's escapes are all valid Python ones)."""
     return json.dumps(value)
@@ -195,15 +204,11 @@ LM head, so this repository holds only the draft's own weights.
 
 vLLM (V2 model runner):
 
-```bash
-{vllm}
-```
+{code_block("bash", vllm)}
 
 SGLang:
 
-```bash
-{sglang}
-```
+{code_block("bash", sglang)}
 
 Serve with the trained block size ({block}); a DFlash2 draft must not draft fewer tokens.
 
