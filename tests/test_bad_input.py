@@ -364,6 +364,15 @@ CASES = [
     ),
     # -- reliability (issue 22): training saves, NaN steps and resume
     # -- reliability (issue 22): regeneration journal and endpoint
+    Case(
+        "zero regenerate_timeout",
+        "prepare",
+        lambda base, where: [
+            recipe(base, where, regenerate=True, regenerate_endpoint="http://127.0.0.1:9/v1", regenerate_timeout=0),
+            "--regenerate-only",
+        ],
+        "regenerate_timeout must be > 0 seconds (got 0",
+    ),
     # -- reliability (issue 22): feature stores
     # -- reliability (issue 22): export, publish, hub ids and evaluate
     Case(
