@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -449,3 +450,107 @@ def test_model_card_names_the_distillation_the_draft_was_trained_with(training, 
     config = json.loads((Path(__file__).resolve().parents[1] / "hub_configs" / "smollm2-135m-dflash2.json").read_text())
     card = render_model_card(config, None, {"training_arguments": training}, {}, None)
     assert expected in str(card)
+
+
+def _checkpoint_with(directory: Path, draft, dflash: dict | None = None, **changes) -> Path:
+    """The draft saved as a training checkpoint whose config.json then says `changes`."""
+    draft.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    config["dflash_config"].update(dflash or {})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+HUGE = {
+    "hidden_size": 65536,
+    "intermediate_size": 262144,
+    "num_hidden_layers": 4,
+    "layer_types": ["full_attention"] * 4,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dflash": {"block_size": 1000000}}, r"dflash_config.block_size is 1000000, outside \[2, 64\]"),
+        ({"hidden_size": 10**9}, r"hidden_size is 1000000000, outside \[1, 65536\]"),
+        ({"num_hidden_layers": 10**9}, r"num_hidden_layers is 1000000000, outside \[1, 256\]"),
+        ({"vocab_size": 10**12}, r"vocab_size is 1000000000000, outside \[2, 4194304\]"),
+        ({"hidden_size": 1e9}, r"hidden_size must be an integer, got 1000000000.0"),
+        ({"num_attention_heads": 5, "head_dim": None}, "num_attention_heads 5 must divide hidden_size 32"),
+        (HUGE, r"exporting this draft needs about 3024.4 GiB \(231,956,677,520 parameters x 14 bytes: .* available$"),
+    ],
+)
+def test_absurd_sizes_are_refused_from_config_json_before_anything_is_built(tmp_path, draft, changes, message):
+    checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft, **changes)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message) as refused:
+        load_trained_draft(checkpoint)
+    assert time.monotonic() - start < 10
+    assert str(refused.value).startswith(f"checkpoint {checkpoint}/config.json: ")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_bare_checkpoints_config_is_checked_too(tmp_path, draft):
+    bare = tmp_path / "merged"
+    draft.save_pretrained(bare)
+    (bare / "config.json").rename(tmp_path / "draft.json")
+    _checkpoint_with(tmp_path / "wide", draft, hidden_size=10**9)
+    with pytest.raises(ValueError, match=r"^draft config .*wide/config.json: hidden_size is 1000000000, outside"):
+        load_trained_draft(bare, tmp_path / "wide" / "config.json")
+
+
+def test_export_of_a_huge_block_size_is_refused_at_once_not_after_minutes_of_rule_20(tmp_path, target, draft, capsys):
+    """The reported case: a config.json saying block_size 1000000 ran the round trip's forward for
+    ten minutes. Now it is refused in one line, long before any forward."""
+    from examples import export as export_cli
+    from trainer.cli import run
+
+    target.model.save_pretrained(tmp_path / "target")
+    checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft, dflash={"block_size": 1000000})
+    capsys.readouterr()  # the saves' progress bars
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        run(export_cli.main, [str(checkpoint), str(tmp_path / "export"), "--target", str(tmp_path / "target")])
+    elapsed = time.monotonic() - start
+    assert stopped.value.code == 2 and elapsed < 10, elapsed
+    assert capsys.readouterr().err == (
+        f"error: checkpoint {checkpoint}/config.json: dflash_config.block_size is 1000000, outside [2, 64] "
+        "(servers draft block_size - 1 tokens per step; published drafts use 8 or 16)\n"
+    )
+    assert not (tmp_path / "export").exists()
+
+
+def test_an_in_memory_draft_with_a_block_beyond_the_bound_is_refused_before_rule_20(tmp_path, target):
+    wide_block = DFlash2DraftModel(tiny_draft_config_for(target, {"block_size": 100}))
+    with pytest.raises(ValueError, match=r"^the draft: dflash_config.block_size is 100, outside \[2, 64\]"):
+        export_draft(wide_block, tmp_path / "export", target=_dims(target))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_export_that_would_not_fit_in_memory_says_how_much_it_needs(tmp_path, draft, monkeypatch):
+    checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft)
+    monkeypatch.setattr("trainer.config_bounds.available_memory", lambda: 1000)
+    count = sum(tensor.numel() for tensor in draft.state_dict().values())
+    with pytest.raises(ValueError) as refused:
+        load_trained_draft(checkpoint, dtype=torch.float32)
+    assert str(refused.value) == (
+        f"checkpoint {checkpoint}/config.json: exporting this draft needs about {count * 20 / 1024:.1f} KiB "
+        f"({count:,} parameters x 20 bytes: the draft as loaded, its cast copy, and the round trip's reloaded "
+        "folder and fp32 reference), more than the 1000 bytes of memory available"
+    )
+
+
+def test_available_memory_is_read_from_this_machine():
+    from trainer.config_bounds import available_memory
+
+    total = (
+        int(
+            next(
+                line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+            ).split()[1]
+        )
+        * 1024
+    )
+    assert 0 < available_memory() <= total
