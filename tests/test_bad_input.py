@@ -138,6 +138,28 @@ def held_output_dir(where: Path) -> Path:
     return where / "output"
 
 
+def scaled_feature_store(base: Path, where: Path) -> str:
+    """An offline recipe whose feature store, captured here as train.py captures it, had every
+    stored feature scaled by 1e6 afterwards (it would train silently without the store's checks)."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from trainer.arguments import DataArguments
+    from trainer.data import build_datasets
+    from trainer.target import FrozenTarget
+
+    path = recipe(base, where, offline=True, disable_tqdm=True)  # (the error comes mid-training: no bar before it)
+    values = yaml.safe_load(Path(path).read_text())
+    names = {field.name for field in dataclasses.fields(DataArguments)}
+    layer_ids = json.loads((base / "draft.json").read_text())["dflash_config"]["target_layer_ids"]
+    arguments = DataArguments(**{key: value for key, value in values.items() if key in names})
+    build_datasets(arguments, FrozenTarget.load(values["target"]), layer_ids)
+    for shard in sorted((where / "cache" / "features").glob("*/shard-*.safetensors")):
+        save_file({name: tensor * 1e6 for name, tensor in load_file(shard).items()}, shard)
+    return path
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -374,6 +396,12 @@ CASES = [
         "regenerate_timeout must be > 0 seconds (got 0",
     ),
     # -- reliability (issue 22): feature stores
+    Case(
+        "feature store scaled after capture",
+        "train",
+        lambda base, where: [scaled_feature_store(base, where)],
+        "feature store {case}/cache/features/",
+    ),
     # -- reliability (issue 22): export, publish, hub ids and evaluate
     Case(
         "export a checkpoint with a huge block_size",
