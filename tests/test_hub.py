@@ -19,7 +19,7 @@ from tests.distributed.tiny_setup import write_tiny_run
 from tests.hub_server import LoopbackHub
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.export import PROVENANCE_FILE, ExportValidationError, TargetDimensions, export_draft
-from trainer.hub import check_export_folder, validate_export_folder
+from trainer.hub import check_export_folder, publish, validate_export_folder
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTtoken_0123456789abcdef"
@@ -228,6 +228,18 @@ TAMPERINGS = {
         r"rule 16: .*unexpected \['extra'\]",
     ),
     "truncated-weights": (lambda f: _truncate(f / "model.safetensors"), "not a readable safetensors file"),
+    "absurd-block-size": (
+        lambda f: _edit_json(f / "config.json", lambda c: c["dflash_config"].update(block_size=1000000)),
+        r"config.json: dflash_config.block_size is 1000000, outside \[2, 64\]",
+    ),
+    "absurd-width": (
+        lambda f: _edit_json(f / "config.json", lambda c: c.update(hidden_size=10**9)),
+        r"config.json: hidden_size is 1000000000, outside \[1, 65536\] .*; re-export the draft.$",
+    ),
+    "config-too-large": (
+        lambda f: _edit_json(f / "config.json", lambda c: c.update(padding="x" * (2 << 20))),
+        r"config.json is \d+ bytes, more than the 1048576 an export's JSON holds",
+    ),
 }
 
 
@@ -239,6 +251,28 @@ def test_publishing_revalidates_the_folder_on_disk(exported, tampering):
     tamper(folder)
     with pytest.raises(ExportValidationError, match=problem):
         validate_export_folder(folder)
+
+
+def test_weights_larger_than_memory_are_refused_before_they_are_read(exported, monkeypatch):
+    from trainer.config_bounds import available_memory
+
+    _, folder = exported
+    weights = folder / "model.safetensors"
+    os.truncate(weights, 2 * available_memory())  # sparse: no disk is used
+    monkeypatch.setattr("trainer.hub.load_file", lambda path: pytest.fail("the weights were read"))
+    with pytest.raises(ValueError, match=r"checking this export before publishing needs about .* memory available$"):
+        validate_export_folder(folder)
+
+
+@pytest.mark.parametrize("repo_id", ["org/x\n---", "$(touch /tmp/x)", "org/`id`", "org/'quoted'", "org/a--b", ""])
+def test_publish_refuses_a_malformed_repo_id_before_anything_else(exported, monkeypatch, repo_id):
+    _, folder = exported
+    monkeypatch.setattr("trainer.hub.HfApi", lambda **kwargs: pytest.fail("the Hub was contacted"))
+    monkeypatch.setattr("trainer.hub.validate_export_folder", lambda folder: pytest.fail("validated first"))
+    with pytest.raises(ValueError) as refused:
+        publish(folder, repo_id)
+    assert str(refused.value).startswith(f"repo_id: {repo_id!r} is not a valid Hub repo id (")
+    assert "\n" not in str(refused.value)
 
 
 def test_publish_py_refuses_a_tampered_export_before_contacting_the_hub(tmp_path, exported):
