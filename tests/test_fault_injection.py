@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ SCENARIOS = [
     ),
     Scenario("sigint", 5, 128 + signal.SIGINT, 5, "interrupted: stopped by SIGINT after step 5"),
     Scenario("second_signal", 3, 128 + signal.SIGINT, 2, "received SIGINT again: exiting now"),
+    Scenario("enospc", 4, 2, 2, "error: no space left on device while writing the checkpoint of step 4 "),
 ]
 
 
@@ -137,3 +139,68 @@ def test_sigterm_saves_the_step_in_progress_and_prints_one_line(played):
 def test_a_second_signal_exits_at_once_without_the_checkpoint_it_interrupted(played):
     survivors = played["second_signal"]["survivors"]
     assert survivors == {"checkpoint-2": []}  # checkpoint-3 was being written: it never became visible
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The `error:` lines (a progress bar may share the line: it ends with a carriage return, not a newline)."""
+    return [line[line.index("error: ") :] for line in stderr.splitlines() if "error: " in line]
+
+
+def test_a_diverged_run_saves_nothing_and_a_resume_with_another_rate_is_refused(tmp_path):
+    """learning_rate 10000 makes step 4's gradients NaN, at a save step: before, checkpoint-4 was
+    written all NaN as a complete checkpoint and rotated the finite checkpoint-2 away, and a resume
+    with another learning rate went on with the old one."""
+    recipe = write_tiny_run(
+        tmp_path, learning_rate=10000, max_steps=8, save_steps=2, save_total_limit=1, num_eval_samples=0
+    )
+    output = tmp_path / "output"
+    diverged = python(str(TRAIN), str(recipe), cwd=tmp_path)
+    assert diverged.returncode == 2, diverged.stderr[-3000:]
+    assert error_lines(diverged.stderr) == [
+        "error: non-finite gradient norm (nan) at step 4: no checkpoint saved; "
+        f"the last good checkpoint is {output / 'checkpoint-2'}"
+    ]
+    assert "Traceback" not in diverged.stderr
+    assert {p.name: checkpoint_problems(p) for p in list_checkpoints(output)} == {"checkpoint-2": []}
+    assert not (output / "model.safetensors").exists()
+
+    same = python(str(TRAIN), str(recipe), "--resume_from_checkpoint", "true", "--learning_rate", "0.005", cwd=tmp_path)
+    assert same.returncode == 2
+    refused = error_lines(same.stderr)
+    assert len(refused) == 1 and refused[0].startswith(
+        f"error: resume from {output / 'checkpoint-2'} refused: the run changed learning_rate 10000.0 → 0.005 ("
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 480 KiB tmpfs: one checkpoint of the tiny run (about 320 KiB) fits, two do not."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=480k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_really_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_path, small_disk):
+    output = small_disk / "output"
+    recipe = write_tiny_run(tmp_path, output_dir=str(output), save_total_limit=1, num_eval_samples=0)
+    full = python(str(TRAIN), str(recipe), cwd=tmp_path)
+    assert full.returncode == 2, full.stderr[-3000:]
+    [last] = error_lines(full.stderr)
+    assert last.startswith(
+        f"error: no space left on device while writing the checkpoint of step 4 {output}/checkpoint-4 ("
+    )
+    assert last.endswith(
+        f"free); the last good checkpoint is {output / 'checkpoint-2'} (kept; nothing was rotated away)"
+    )
+    assert "Traceback" not in full.stderr
+    assert {p.name: checkpoint_problems(p) for p in list_checkpoints(output)} == {"checkpoint-2": []}
+    assert not [p.name for p in output.iterdir() if p.name.startswith(".staging")]  # the failed save is gone
+    assert shutil.disk_usage(small_disk).free > 100 * 1024

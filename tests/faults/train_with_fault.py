@@ -4,11 +4,13 @@ Usage: python tests/faults/train_with_fault.py POINT STEP RECIPE [--key value ..
 
 Kills are SIGKILL (nothing can be cleaned up); a file "in the middle" of its write is left with
 half of its bytes. The signal points send SIGTERM / SIGINT to the process itself while step STEP
-is computed, as a scheduler or a user would.
+is computed, as a scheduler or a user would. `enospc` makes the disk "full" (OSError ENOSPC) when
+optimizer.pt of step STEP is written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -114,6 +116,15 @@ def install(point: str, step: int) -> None:
             return real_replace(source, destination, *args, **kwargs)
 
         os.replace = replace
+    elif point == "enospc":  # the disk fills up in the middle of a checkpoint
+        real_save = torch.save
+
+        def save(obj, path, *args, **kwargs):
+            if staged in str(path) and str(path).endswith("optimizer.pt"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_save(obj, path, *args, **kwargs)
+
+        torch.save = save
     elif point == "between_steps":
         callbacks.append(AtStep(step, on_end=kill))
     elif point in ("sigterm", "sigint"):
