@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,49 @@ def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(
     inputs = draft_inputs(draft.config, batch=1, context=5)
     with torch.no_grad():
         assert torch.equal(draft(**inputs), source.eval()(**inputs))
+
+
+def _edit_config(directory: Path, dflash: dict | None = None, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    config["dflash_config"].update(dflash or {})
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("layout", "dflash", "changes", "message"),
+    [
+        ("dflash2", {"block_size": 1000000}, {}, r"dflash_config.block_size is 1000000, outside \[2, 64\]"),
+        ("dflash2", None, {"hidden_size": 10**9}, r"hidden_size is 1000000000, outside \[1, 65536\]"),
+        ("v1", None, {"block_size": 1000000}, r"block_size is 1000000, outside \[2, 64\]"),  # v1: top level
+        ("v1", None, {"intermediate_size": 10**9}, r"intermediate_size is 1000000000, outside \[1, 262144\]"),
+        (
+            "dflash2",
+            None,
+            {"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 4, "layer_types": ["x"] * 4},
+            r"warm-starting from this checkpoint needs about .* parameters x 8 bytes: the fp32 draft and the "
+            r"checkpoint's tensors as read\), more than the .* of memory available$",
+        ),
+    ],
+)
+def test_an_absurd_source_config_is_refused_before_anything_is_built(
+    tmp_path, recipe_config, layout, dflash, changes, message
+):
+    source = tmp_path / "source"
+    (zlab_dflash2_dir if layout == "dflash2" else zlab_v1_dir)(source, recipe_config)
+    _edit_config(source, dflash, **changes)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message) as refused:
+        warm_start(source, recipe_config, allow_block_size_change=True)
+    assert time.monotonic() - start < 10
+    assert str(refused.value).startswith(f"init_from {source}/config.json: ") and "\n" not in str(refused.value)
+
+
+def test_a_v1_source_without_num_target_layers_is_within_bounds(tmp_path, recipe_config):
+    """z-lab's v1 configs may omit num_target_layers: the bounds do not require it."""
+    from trainer.config_bounds import bounds_violations
+
+    zlab_v1_dir(tmp_path / "v1", recipe_config)
+    config = json.loads((tmp_path / "v1" / "config.json").read_text())
+    config.pop("num_target_layers")
+    assert bounds_violations(config) == []
