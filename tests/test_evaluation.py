@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -198,9 +200,10 @@ def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, sa
     assert set(report["paths"]) == {"untrained/unary", "trained/unary"} and report["lossless"] is True
 
 
-def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved):
+def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved, tmp_path, monkeypatch):
     from examples import evaluate
 
+    monkeypatch.chdir(tmp_path)
     # tiny-tokenizer lengths of the first problems: 68, 96, 67 tokens
     report = evaluate.main(
         [
@@ -208,7 +211,8 @@ def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved):
             *("--max-samples", "2", "--max-prompt-length", "80", "--max-new-tokens", "4"),
         ]
     )
-    report_file = _files_agree(saved / "draft" / "speculative" / "humaneval")
+    # a draft folder this project did not train into: the report goes under outputs/evaluate
+    report_file = _files_agree(tmp_path / "outputs" / "evaluate" / "draft" / "humaneval")
     assert report_file == json.loads(json.dumps(report))
     assert (report["benchmark"], report["prompts"], report["skipped_for_length"]) == ("humaneval", 2, 1)
     assert (report["top_p"], report["top_k"], report["lossless"]) == (1.0, 0, True)
@@ -241,3 +245,58 @@ def test_cli_refuses_bad_benchmark_options(arguments, message, capsys):
     with pytest.raises(SystemExit) as stop:
         evaluate.main(["--target", "never-loaded", "--draft", "never-loaded", *arguments])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def _evaluate(saved: Path, draft: Path, tmp_path: Path, *flags: str) -> dict:
+    from examples import evaluate
+
+    (tmp_path / "prompts.txt").write_text("hi how are you\n")
+    common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]
+    return evaluate.main([*common, "--draft", str(draft), "--paths", "unary", *flags])
+
+
+def test_evaluating_an_export_leaves_it_byte_identical(saved, tmp_path, monkeypatch):
+    """A downloaded or exported draft stays exactly as it was published: the report goes to
+    outputs/evaluate/<draft name>/<benchmark>, or where --output says."""
+    from trainer.export import TargetDimensions, export_draft
+
+    monkeypatch.chdir(tmp_path)
+    draft = DFlash2DraftModel.from_pretrained(saved / "draft")
+    exported = export_draft(draft, tmp_path / "my-export", target=TargetDimensions("org/tiny", 32, 53, 4))
+    (tmp_path / "elsewhere").mkdir()
+    before = _tree(exported)
+    _evaluate(saved, exported, tmp_path)
+    assert _tree(exported) == before
+    _files_agree(tmp_path / "outputs" / "evaluate" / "my-export" / "custom")
+    _evaluate(saved, exported, tmp_path, "--output", str(tmp_path / "elsewhere" / "report"))
+    assert _tree(exported) == before
+    _files_agree(tmp_path / "elsewhere" / "report")
+
+
+def test_a_training_run_keeps_its_reports_and_only_its_summary_is_read(saved, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    summary = {"trained": {"eval_tau_walk": 2.5, "eval_tau_unary": 2.0}}
+    downloaded = tmp_path / "downloaded"
+    shutil.copytree(saved / "draft", downloaded)
+    (downloaded / "demo_summary.json").write_text(json.dumps(summary))
+    report = _evaluate(saved, downloaded, tmp_path, "--benchmark", "heldout", "--max-samples", "1")
+    assert "teacher_forced" not in report  # not a run this project wrote: its files are not read
+    assert not (downloaded / "speculative").exists()
+
+    run = tmp_path / "run"
+    shutil.copytree(saved / "draft", run)
+    (run / "dflash2_recipe.json").write_text(json.dumps({"format": "dflash2-hub recipe"}))
+    (run / "demo_summary.json").write_text(json.dumps(summary))
+    report = _evaluate(saved, run, tmp_path)
+    assert "teacher_forced" not in report  # custom prompts are not the held-out set
+    _files_agree(run / "speculative" / "custom")
+    (run / "demo_summary.json").write_text(json.dumps(["not", "a", "summary"]))
+    from examples import evaluate
+
+    assert evaluate.training_summary(str(run)) is None
+    (run / "demo_summary.json").write_text(json.dumps(summary))
+    assert evaluate.training_summary(str(run)) == summary["trained"]
