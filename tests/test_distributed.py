@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.checkpoints import MANIFEST, checkpoint_problems
 from trainer.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
+from trainer.watchdog import LOST_RANK_STATUS
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
@@ -198,3 +202,105 @@ def logged_losses(log_history: list[dict]) -> list[tuple[str, float]]:
     """Every logged loss of a run, in order: training steps, evaluations, the run's mean."""
     keys = ("loss", "eval_loss", "train_loss")
     return [(key, log[key]) for log in log_history for key in keys if key in log]
+
+
+# -- a rank that stops or dies mid-training (trainer.watchdog) --------------------------------------
+
+STALL_TIMEOUT_S = 5
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the launcher's worker processes (their RANK environment variable)."""
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True, timeout=30)
+    workers = {}
+    for pid in map(int, children.stdout.split()):
+        with contextlib.suppress(OSError):
+            environment = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            workers[int(environment[b"RANK"])] = pid
+    return workers
+
+
+def alive(pid: int) -> bool:
+    """Exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def hit_a_rank_mid_training(tmp_path: Path, rank: int, signum: int, wait_s: float) -> tuple[str, float, int]:
+    """Run a long tiny recipe under torchrun, send `signum` to worker `rank` once training has logged a
+    loss, and wait for every process of the job to end; (output, seconds from the signal to the last
+    exit, the launcher's status). The worker is always continued and the job killed at the end."""
+    recipe = write_tiny_run(
+        tmp_path, max_steps=5000, save_steps=100000, num_eval_samples=0, rank_stall_timeout=STALL_TIMEOUT_S
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("DFLASH2_DEBUG", None)
+    log = tmp_path / "job.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    with log.open("w") as output:
+        launcher = subprocess.Popen(
+            [*command, str(REPO / "examples" / "train.py"), str(recipe)],
+            cwd=tmp_path,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        while "'loss'" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        workers = worker_pids(launcher)
+        assert sorted(workers) == [0, 1], workers
+        victim = workers[rank]
+        os.kill(victim, signum)
+        hit = time.monotonic()
+        status = launcher.wait(timeout=wait_s)
+        while any(alive(pid) for pid in workers.values()) and time.monotonic() < hit + wait_s:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers.values()), log.read_text()[-3000:]
+        return log.read_text(), time.monotonic() - hit, status
+    finally:
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                os.kill(victim, signal.SIGCONT)
+        with contextlib.suppress(OSError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+
+
+def worker_tracebacks(output: str) -> int:
+    """Tracebacks other than the launcher's own ChildFailedError report of a failed worker."""
+    return output.count("Traceback (most recent call last)") - output.count("errors.ChildFailedError")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_stall_timeout_with_one_line_naming_it(tmp_path):
+    output, seconds, status = hit_a_rank_mid_training(tmp_path, 1, signal.SIGSTOP, wait_s=STALL_TIMEOUT_S + 60)
+    lines = [line for line in output.splitlines() if "error:" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert (
+        lines[0]
+        .split("error: ", 1)[1]
+        .startswith(f"rank 1 stopped responding (no heartbeat for {STALL_TIMEOUT_S} s) during step ")
+    ), lines
+    assert lines[0].endswith(": stopping this rank")
+    assert status != 0 and f"exitcode  : {LOST_RANK_STATUS} " in output
+    assert worker_tracebacks(output) == 0, output[-3000:]
+    assert seconds < STALL_TIMEOUT_S + 10, seconds
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_within_seconds_with_one_line_naming_it(tmp_path):
+    output, seconds, status = hit_a_rank_mid_training(tmp_path, 0, signal.SIGKILL, wait_s=60)
+    lines = [line.split("error: ", 1)[1] for line in output.splitlines() if "error:" in line]
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith("rank 0 died (its process is gone"), lines
+    assert status != 0 and worker_tracebacks(output) == 0, output[-3000:]
+    assert seconds < 10, seconds
