@@ -160,6 +160,41 @@ def scaled_feature_store(base: Path, where: Path) -> str:
     return path
 
 
+def trained_run(base: Path, where: Path) -> Path:
+    """`where/output` holding checkpoint-2 of the base recipe, trained once (into `base/trained`) and copied."""
+    import shutil
+
+    trained = base / "trained"
+    if not (trained / "output" / "checkpoint-2").is_dir():
+        trained.mkdir(exist_ok=True)
+        train.main([recipe(base, trained, max_steps=2)])
+    shutil.copytree(trained / "output" / "checkpoint-2", where / "output" / "checkpoint-2")
+    return where / "output" / "checkpoint-2"
+
+
+def resume_with(
+    checkpoint: str = "explicit", dflash: dict | None = None, **changes
+) -> Callable[[Path, Path], list[str]]:
+    """Resume checkpoint-2 of the base recipe (by path, or `true`) with a changed recipe or draft config."""
+
+    def argv(base: Path, where: Path) -> list[str]:
+        resume, values = trained_run(base, where), dict(changes)
+        if dflash:
+            config = json.loads((base / "draft.json").read_text())
+            config["dflash_config"].update(dflash)
+            values["draft_config"] = data_file(where, "changed-draft.json", json.dumps(config).encode())
+        return [recipe(base, where, resume_from_checkpoint=True if checkpoint == "true" else str(resume), **values)]
+
+    return argv
+
+
+def damaged_recipe_record(base: Path, where: Path) -> list[str]:
+    resume = trained_run(base, where)
+    (resume / "dflash2_recipe.json").write_text("{not json")
+    write_manifest(resume, 2)
+    return [recipe(base, where, resume_from_checkpoint=str(resume))]
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -385,6 +420,50 @@ CASES = [
         "output_dir {case}/output is a file, not a folder: choose a folder for the run",
     ),
     # -- reliability (issue 22): training saves, NaN steps and resume
+    Case(
+        "non-finite step at a save step",
+        "train",
+        train_with(learning_rate=10000, max_steps=8, save_total_limit=1, num_eval_samples=0, disable_tqdm=True),
+        "non-finite gradient norm (nan) at step 4: no checkpoint saved; the last good checkpoint is "
+        "{case}/output/checkpoint-2",
+    ),
+    Case(
+        "resume with another block_size",
+        "train",
+        resume_with(dflash={"block_size": 8}),
+        "resume from {case}/output/checkpoint-2 refused: the run changed block_size 4 → 8 "
+        "(set resume_allow_changes: [block_size] to resume anyway, or train into a new output_dir)",
+    ),
+    Case(
+        "resume with other target_layer_ids",
+        "train",
+        resume_with(dflash={"target_layer_ids": [1, 3]}),
+        "resume from {case}/output/checkpoint-2 refused: the run changed target_layer_ids [1, 2] → [1, 3] (",
+    ),
+    Case(
+        "resume true with another learning_rate",
+        "train",
+        resume_with("true", learning_rate=0.01),
+        "resume from {case}/output/checkpoint-2 refused: the run changed learning_rate 0.005 → 0.01 (",
+    ),
+    Case(
+        "resume with another max_length",
+        "train",
+        resume_with(max_length=40),
+        "resume from {case}/output/checkpoint-2 refused: the run changed max_length 48 → 40 (",
+    ),
+    Case(
+        "resume with two changes, one allowed",
+        "train",
+        resume_with(num_anchors=5, loss_type="kd", resume_allow_changes=["num_anchors"]),
+        "resume from {case}/output/checkpoint-2 refused: the run changed loss_type ce → kd (",
+    ),
+    Case(
+        "resume from a damaged recipe record",
+        "train",
+        damaged_recipe_record,
+        "{case}/output/checkpoint-2/dflash2_recipe.json is not valid JSON (",
+    ),
     # -- reliability (issue 22): regeneration journal and endpoint
     Case(
         "zero regenerate_timeout",
