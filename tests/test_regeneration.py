@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -459,42 +460,41 @@ def test_two_regenerations_of_one_entry_in_one_job_ask_once(target, tmp_path, in
     assert server.completions == 1 + sum(len(answer_points(messages)) for messages in CONVERSATIONS)
 
 
-@pytest.mark.slow
-def test_a_second_process_on_a_held_entry_is_refused_naming_the_holder(target, tmp_path, in_process):
-    child = textwrap.dedent(
+def test_an_entry_held_by_another_process_is_refused_naming_the_holder(target, tmp_path, in_process):
+    with LoopbackOpenAI(target) as dying:
+        dying.die_after = 3  # the probe and two answers: the entry is left half done, with its journal
+        with pytest.raises(EndpointError):
+            regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(dying, max_retries=0))
+    entry = journal_of(tmp_path).with_name(journal_of(tmp_path).name.removesuffix(".journal.jsonl"))
+    holder = textwrap.dedent(
         f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests.tiny_target import tiny_target
-        from tests.test_regeneration import CONVERSATIONS, SETTINGS
-        from trainer.endpoint import EndpointSettings
-        from trainer.regeneration import regenerate
-        regenerate(tiny_target(), CONVERSATIONS, SETTINGS, __import__("pathlib").Path({str(tmp_path)!r}),
-                   endpoint=EndpointSettings(url=sys.argv[1], concurrency=1))
+        from trainer.locks import lock_cache_entry
+        with lock_cache_entry({str(entry)!r}, "regeneration cache entry"):
+            print("held", flush=True)
+            sys.stdin.read()  # until the test closes it
         """
     )
-    with LoopbackOpenAI(target) as server:
-        server.delay = 0.3  # slow answers: the child holds the entry a few seconds
-        process = subprocess.Popen([sys.executable, "-c", child, server.url], cwd=REPO)
-        try:
-            deadline = time.monotonic() + 120
-            while not list((tmp_path / "generated").glob("*.journal.jsonl")):
-                assert time.monotonic() < deadline and process.poll() is None, "the child never started its journal"
-                time.sleep(0.05)
-            entry = journal_of(tmp_path).with_name(journal_of(tmp_path).name.removesuffix(".journal.jsonl"))
+    process = subprocess.Popen([sys.executable, "-c", holder], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert select.select([process.stdout], [], [], 60)[0], "the holder never took the lock"
+        assert process.stdout.readline() == b"held\n"
+        with LoopbackOpenAI(target) as server:
             with pytest.raises(FolderInUseError) as error:
                 regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+            assert server.completions == 0  # refused before asking anything
             assert str(error.value).startswith(
                 f"regeneration cache entry {entry} is in use by another run (pid {process.pid} on "
             )
-            assert process.wait(timeout=120) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))
+            process.stdin.close()
+            assert process.wait(timeout=60) == 0
+            dataset = regenerate(target, CONVERSATIONS, SETTINGS, tmp_path, endpoint=fast(server))  # the lock is free
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
     assert rows(dataset) == rows(in_process)
-    assert len(server.asked) == len(set(server.asked))  # nothing asked twice
 
 
 def test_a_full_disk_while_journaling_is_one_line_and_the_rerun_resumes(target, tmp_path, in_process, monkeypatch):
