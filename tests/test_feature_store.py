@@ -332,3 +332,23 @@ def test_a_damaged_shard_read_in_a_dataloader_worker_is_still_one_line(target, t
         list(loader)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"feature store {path}: {shard} sample 2: sample_2 has RMS")
+
+
+def test_a_damaged_index_is_named(target, tokens, tmp_path):
+    path = store(target, tokens, tmp_path)
+    index_path = path / FEATURE_INDEX
+    index = json.loads(index_path.read_text())
+    shard = index["shards"][1]
+    shard.update(samples=[2], tokens=shard["tokens"][:1], statistics=shard["statistics"][:1])  # sample 3 unlisted
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(FeatureStoreError) as caught:
+        OfflineDataset(tokens, path)
+    assert str(caught.value) == (
+        f"feature store {path}: {index_path} lists 4 distinct samples, not 0..4: delete {path} to capture again"
+    )
+    index_path.write_text(json.dumps(index)[:-20])
+    with pytest.raises(
+        FeatureStoreError,
+        match=rf"^feature store .+: {re.escape(str(index_path))} is not a valid feature index \(JSONDecodeError: ",
+    ):
+        OfflineDataset(tokens, path)
