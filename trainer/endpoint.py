@@ -231,7 +231,9 @@ class EndpointClient:
         if not choices:
             raise EndpointError(f"{url} answered an empty `choices` list")
         choice = choices[0]
-        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict):
+            raise EndpointError(f"{url} answered a choice that is not an object: {json.dumps(choice)[:100]}")
+        message = choice.get("message")
         if not isinstance(message, dict):
             raise EndpointError(f"{url} answered a choice whose `message` is {json.dumps(message)[:100]}")
         content = message.get("content")
