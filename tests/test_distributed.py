@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.checkpoints import MANIFEST, checkpoint_problems
 from trainer.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
+from trainer.locks import RUN_LOCK_NAME
 from trainer.watchdog import LOST_RANK_STATUS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +44,14 @@ def assert_draft_directory(directory: Path, extra: set[str] = frozenset()) -> No
     files = {p.name for p in directory.iterdir() if not p.name.startswith("checkpoint-")}
     assert files >= DRAFT_FILES, files
     assert not any(name.endswith(".py") and name not in DRAFT_FILES for name in files), files
-    allowed = {"training_args.bin", "trainer_state.json", "demo_summary.json", "runs", "dflash2_recipe.json"}
+    allowed = {
+        "training_args.bin",
+        "trainer_state.json",
+        "demo_summary.json",
+        "runs",
+        "dflash2_recipe.json",
+        RUN_LOCK_NAME,
+    }
     assert files - DRAFT_FILES <= extra | allowed, files
     config = json.loads((directory / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["DFlash2DraftModel"]
@@ -54,7 +62,7 @@ def assert_complete(checkpoint: Path, written_by_all_ranks: set[str]) -> None:
     assert checkpoint_problems(checkpoint) == []
     listed = set(json.loads((checkpoint / MANIFEST).read_text())["files"])
     assert written_by_all_ranks <= listed, listed
-    assert not [p.name for p in checkpoint.parent.iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in checkpoint.parent.iterdir() if p.name.startswith(".") and p.name != RUN_LOCK_NAME]
 
 
 def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
