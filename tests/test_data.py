@@ -198,6 +198,25 @@ def test_build_datasets_from_chat_and_prompt_files(target, tmp_path):
         build_datasets(DataArguments(dataset=str(prompts), regenerate=False, cache_dir=str(tmp_path)), target, [1])
 
 
+def test_an_offline_store_is_checked_against_the_run_that_opens_it(target, tmp_path):
+    """The store found under the run's key must also say it holds what the run needs (here its
+    recorded width was edited): build_datasets hands the run's fingerprint to OfflineDataset."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": m}) for m in tiny_conversations(4)))
+    args = DataArguments(dataset=str(chat), regenerate=False, num_eval_samples=0, offline=True, cache_dir=str(tmp_path))
+    build_datasets(args, target, [1, 2])
+    (index_path,) = (tmp_path / "features").glob("*/features.json")
+    index = json.loads(index_path.read_text())
+    index["store"]["hidden_size"] = 48
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError) as caught:
+        build_datasets(args, target, [1, 2])
+    store = index_path.parent
+    assert str(caught.value) == (
+        f"feature store {store}: it was captured for hidden_size 48 (this run: 32): delete {store} to capture again"
+    )
+
+
 def test_chitchat_prompts_are_the_first_messages():
     prompts = data_module.chitchat_prompts()
     assert len(prompts) > 7000
