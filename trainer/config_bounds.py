@@ -60,14 +60,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_config_file(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
-    """A config.json as a JSON object, refusing a file too large to be a config before reading it."""
+def read_config_file(path: str | os.PathLike, what: str = "config", limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """A JSON object from a small file (a config, a report), refusing one larger than `limit` bytes
+    before reading it: parsing a huge file is as slow as what it would describe."""
     path = Path(path)
     size = path.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        raise ValueError(
-            f"{what} {path} is {size} bytes; a draft config is a few KiB (at most {MAX_CONFIG_BYTES} bytes are read)"
-        )
+    if size > limit:
+        raise ValueError(f"{what} {path} is {size} bytes, more than the {limit} bytes such a file holds; not read")
     try:
         value = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

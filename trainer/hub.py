@@ -8,7 +8,6 @@ now, which may have been edited, truncated or never exported. The token comes fr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -22,7 +21,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from trainer.config_bounds import MAX_CONFIG_BYTES, bounds_violations, check_memory, format_bytes, parameter_count
+from trainer.config_bounds import (
+    MAX_CONFIG_BYTES,
+    bounds_violations,
+    check_memory,
+    format_bytes,
+    parameter_count,
+    read_config_file,
+)
 from trainer.export import PROVENANCE_FILE, ExportValidationError, contract_violations, export_folder_problems
 from trainer.hub_ids import check_hub_id
 
@@ -50,16 +56,10 @@ def check_export_folder(folder: Path) -> None:
 
 def _read_json_object(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     """A JSON object from an export, refusing a file too large to be one before reading it."""
-    size = path.stat().st_size
-    if size > limit:
-        raise ExportValidationError(f"{path} is {size} bytes, more than the {limit} an export's JSON holds; re-export.")
     try:
-        value = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ExportValidationError(f"{path} is not valid JSON ({error}); re-export the draft.") from None
-    if not isinstance(value, dict):
-        raise ExportValidationError(f"{path} must hold a JSON object, got {type(value).__name__}; re-export the draft.")
-    return value
+        return read_config_file(path, "export file", limit)
+    except ValueError as error:
+        raise ExportValidationError(f"{error}; re-export the draft.") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
