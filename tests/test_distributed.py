@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -293,12 +294,9 @@ def test_a_stopped_rank_ends_the_job_within_the_stall_timeout_with_one_line_nami
     output, seconds, status = hit_a_rank_mid_training(tmp_path, 1, signal.SIGSTOP, wait_s=STALL_TIMEOUT_S + 60)
     lines = [line for line in output.splitlines() if "error:" in line]
     assert len(lines) == 1, output[-3000:]
-    assert (
-        lines[0]
-        .split("error: ", 1)[1]
-        .startswith(f"rank 1 stopped responding (no heartbeat for {STALL_TIMEOUT_S} s) during step ")
-    ), lines
-    assert lines[0].endswith(": stopping this rank")
+    said = r"error: rank 1 stopped responding \(no heartbeat for (\d+) s\) during step \d+: stopping this rank$"
+    found = re.search(said, lines[0])
+    assert found and STALL_TIMEOUT_S <= int(found[1]) <= STALL_TIMEOUT_S + 3, lines
     assert status != 0 and f"exitcode  : {LOST_RANK_STATUS} " in output
     assert worker_tracebacks(output) == 0, output[-3000:]
     assert seconds < STALL_TIMEOUT_S + 10, seconds

@@ -185,6 +185,22 @@ def test_a_closed_connection_with_every_heartbeat_current_still_says_so(monkeypa
     )
 
 
+def test_a_timed_out_collective_is_one_line_too():
+    dog = watchdog(rank=0, world_size=2, timeout=300.0, interval=1.0)
+    advance(dog, 2, beating=(1,))
+    error = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1800000ms for recv operation")
+    assert dog.explain(error).message == (
+        "a collective timed out before training (ddp_timeout) although every rank's heartbeat is current: a rank "
+        "is alive but stuck outside the collective: stopping this rank"
+    )
+    advance(dog, 3)
+    assert dog.explain(error) == LostRank(
+        "rank 1 died (a collective waiting for it timed out and its heartbeat stopped) before training: stopping "
+        "this rank",
+        frozenset({1}),
+    )
+
+
 @pytest.mark.parametrize(("rank", "speaks"), [(2, True), (3, False)])
 def test_only_the_lowest_surviving_rank_prints_and_every_survivor_exits_1(rank, speaks, monkeypatch, capsys):
     slept: list[float] = []

@@ -4,7 +4,8 @@ Errors a user can fix (a refused recipe value, a missing file, a broken contract
 refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
 or `DFLASH2_DEBUG=1`, shows the full traceback instead. A run stopped by SIGTERM/SIGINT exits with
 128 + the signal number after its one line. Under torchrun / accelerate launch only rank 0 prints.
-Anything else is a bug and keeps its traceback.
+A rank that died or stalled (`trainer.watchdog`) ends the others with status 1 after one line naming
+it, printed by the lowest surviving rank. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ PEER_FAILURE_MARKERS = (
     "remote process exited",
     "remote worker crashing",
 )
+COLLECTIVE_TIMEOUT_MARKERS = ("timed out waiting",)  # gloo, after the process-group timeout
 
 _active: Watchdog | None = None
 
@@ -228,7 +229,7 @@ class Watchdog:
         with contextlib.suppress(Exception):
             self.store.set(self.key(self.rank), how)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + self.timeout)
+            self._thread.join(timeout=self.interval)  # a daemon; it reports nothing once stopping is set
 
     def _run(self) -> None:
         while not self._stopping.wait(self.interval):
@@ -320,38 +321,48 @@ class Watchdog:
     # -- a collective failed in the main thread --------------------------------------------------
 
     def explain(self, error: BaseException) -> LostRank | None:
-        """The lost peer behind a collective that failed on a closed connection; None for other errors.
+        """The lost peer behind a collective that failed on a closed connection or timed out (gloo, after
+        `ddp_timeout`); None for other errors.
 
         A peer on this host is looked up at once; one elsewhere is the peer whose heartbeat stops,
         which takes a few intervals to tell from a live one.
         """
-        if not isinstance(error, RuntimeError) or not any(
-            marker in str(error).lower() for marker in PEER_FAILURE_MARKERS
-        ):
+        text = str(error).lower()
+        closed = any(marker in text for marker in PEER_FAILURE_MARKERS)
+        timed_out = any(marker in text for marker in COLLECTIVE_TIMEOUT_MARKERS)
+        if not isinstance(error, RuntimeError) or not (closed or timed_out):
             return None
-        deadline = self.clock() + 3.5 * self.interval
+        how = "its connection closed" if closed else "a collective waiting for it timed out"
+        deadline = self.clock() + (3.5 * self.interval if closed else 0.0)
         while True:
             with self._lock:
                 gone = self._gone_here()
                 exited = {rank for rank in self.peers if self.table.values[rank] == EXITED}
                 silent = self.table.silent(self.clock(), 2.5 * self.interval)
             if gone:
-                return died(gone, "its process is gone; its connection closed", self.phase)
+                return died(gone, f"its process is gone; {how}", self.phase)
             if exited:
                 return LostRank(
-                    f"{name_ranks(exited)} stopped on its own error {self.phase} (its connection closed; the "
-                    "error is in its output): stopping this rank",
+                    f"{name_ranks(exited)} stopped on its own error {self.phase} ({how}; the error is in its "
+                    "output): stopping this rank",
                     frozenset(exited),
                 )
             if silent:
-                return died(silent, "its connection closed and its heartbeat stopped", self.phase)
+                return died(silent, f"{how} and its heartbeat stopped", self.phase)
             if self.clock() >= deadline:
-                return LostRank(
-                    f"a collective failed {self.phase} because another rank's connection closed, but every "
-                    "heartbeat is current, so which rank is unknown: stopping this rank",
-                    frozenset(),
-                )
+                break
             time.sleep(min(0.1, self.interval))
+        if closed:
+            return LostRank(
+                f"a collective failed {self.phase} because another rank's connection closed, but every "
+                "heartbeat is current, so which rank is unknown: stopping this rank",
+                frozenset(),
+            )
+        return LostRank(
+            f"a collective timed out {self.phase} (ddp_timeout) although every rank's heartbeat is current: a "
+            "rank is alive but stuck outside the collective: stopping this rank",
+            frozenset(),
+        )
 
     # -- ending this rank ----------------------------------------------------------------------
 
