@@ -149,6 +149,19 @@ def test_a_peer_process_gone_from_this_host_is_named_at_once(gone_process):
     assert dog.tick() is None
 
 
+def test_only_the_processes_of_this_nodes_ranks_are_looked_at(gone_process, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert wd.node_ranks(5) == range(4, 6)
+    dog = watchdog(rank=5, world_size=8, local_peers=wd.node_ranks(5))
+    dog.store.set(dog.key(0, "who"), gone_process.encode())  # another node's rank: its pid means nothing here
+    assert dog.tick() is None
+    dog.store.set(dog.key(4, "who"), gone_process.encode())
+    assert dog.tick().culprits == {4}
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert wd.node_ranks(5) is None
+
+
 def test_a_live_process_is_running_or_stopped_and_other_hosts_are_not_judged():
     me = ProcessIdentity.of_this_process()
     assert wd.process_state(me, me.host) == "running"

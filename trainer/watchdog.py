@@ -189,6 +189,7 @@ class Watchdog:
         namespace: str = "dflash2_watchdog/0",
         store_address: str = "",
         store_on_rank: int | None = None,
+        local_peers: Iterable[int] | None = None,
         interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         stream: TextIO | None = None,
@@ -201,6 +202,8 @@ class Watchdog:
         self.phase = "before training"
         self.host = socket.gethostname()
         self.peers = [rank_ for rank_ in range(world_size) if rank_ != rank]
+        # the peers that may run on this host (whose processes can be looked at); None: any of them
+        self.local_peers = self.peers if local_peers is None else sorted(set(local_peers) - {rank})
         now = clock()
         self.table = HeartbeatTable(self.peers, now)
         self.identities: dict[int, ProcessIdentity] = {}
@@ -299,7 +302,7 @@ class Watchdog:
 
     def _gone_here(self) -> set[int]:
         """Peers on this host whose process no longer exists (confirmed against a fresh read of their key)."""
-        gone = {rank for rank in self.peers if self._state(rank) == "gone" and not self.table.finished(rank)}
+        gone = {rank for rank in self.local_peers if self._state(rank) == "gone" and not self.table.finished(rank)}
         if gone:
             with contextlib.suppress(RuntimeError, OSError):  # a rank writes DONE before it exits
                 for rank, value in self._read(sorted(gone)).items():
@@ -430,6 +433,15 @@ def job_store() -> tuple[Any, str, int | None]:
     return store.clone(), f"{store.host}:{store.port}", None if agent_hosted else 0
 
 
+def node_ranks(rank: int) -> range | None:
+    """The ranks of this node: torchrun numbers a node's LOCAL_WORLD_SIZE ranks consecutively."""
+    try:
+        local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return range(rank - local_rank, rank - local_rank + local_world_size)
+
+
 def start_watchdog(args: Any) -> list[TrainerCallback]:
     """Start this rank's watchdog when the run has several ranks and `args.rank_stall_timeout` > 0.
 
@@ -446,14 +458,16 @@ def start_watchdog(args: Any) -> list[TrainerCallback]:
     with contextlib.suppress(AttributeError, RuntimeError):
         store.set_timeout(datetime.timedelta(seconds=max(1.0, min(2 * interval, timeout / 2))))
     namespace = f"dflash2_watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    rank = torch.distributed.get_rank()
     watchdog = Watchdog(
         store,
-        torch.distributed.get_rank(),
+        rank,
         torch.distributed.get_world_size(),
         timeout,
         namespace=namespace,
         store_address=address,
         store_on_rank=store_on_rank,
+        local_peers=node_ranks(rank),
     )
     watchdog.start()
     _active = watchdog
