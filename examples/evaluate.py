@@ -30,6 +30,7 @@ from trainer.chat import end_of_turn_ids
 from trainer.cli import run
 from trainer.evaluation import default_report_folder, evaluate_paths, is_training_run, plot_report, render_markdown
 from trainer.fileio import write_file_atomically
+from trainer.hub_ids import check_hub_id_if_remote
 from trainer.loading import DRAFT_CLASSES, load_draft
 from trainer.prompt_sets import (
     BENCHMARKS,
@@ -100,6 +101,8 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_hub_id_if_remote(args.draft, "--draft")  # one line naming the flag, before any model loads
+    check_hub_id_if_remote(args.target, "--target")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
     texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once

@@ -590,6 +590,12 @@ CASES = [
         ),
         "--evaluation-report {case}/report.json must hold a JSON object, got list",
     ),
+    Case(
+        "evaluate a draft whose Hub id has a newline",
+        "evaluate",
+        lambda base, where: ["--target", str(base / "target"), "--draft", "org/draft\nsecond line"],
+        "--draft: 'org/draft\\nsecond line' is not a valid Hub repo id (Repo id must use alphanumeric",
+    ),
 ]
 
 
