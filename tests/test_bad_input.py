@@ -667,3 +667,19 @@ def test_a_silent_rank_gives_rank_zero_time_to_print_before_exiting(rank, silent
     assert stopped.value.code == 2
     assert (capsys.readouterr().err == "") is silent
     assert slept == ([cli.SILENT_RANK_GRACE_SECONDS] if waits else [])
+
+
+def test_an_error_raised_under_an_open_progress_bar_is_a_line_of_its_own(capsys):
+    """An error mid-loop (a damaged feature shard, a full disk) comes while tqdm's bar is open."""
+    from tqdm import tqdm
+
+    def fails_mid_loop(argv):
+        bar = tqdm(total=10)
+        bar.update(3)
+        raise ValueError("feature store X: sample 3 holds non-finite values")
+
+    with pytest.raises(SystemExit):
+        run(fails_mid_loop, [])
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "error: feature store X: sample 3 holds non-finite values" in lines
+    assert lines[-1] == "error: feature store X: sample 3 holds non-finite values"

@@ -40,8 +40,18 @@ def is_rank_zero() -> bool:
 
 
 def say(message: str) -> None:
+    """The one line, on a line of its own: a progress bar still open (the error came mid-loop) is
+    closed first, so the line neither lands after the bar nor gets redrawn over."""
     if is_rank_zero():
+        close_progress_bars()
         print(message, file=sys.stderr, flush=True)
+
+
+def close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoReturn:
