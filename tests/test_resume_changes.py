@@ -247,6 +247,7 @@ def test_safe_changes_resume_silently(target, dataset, trained, tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3 and "changed" not in caplog.text
+    assert IDENTITY_KEY in json.loads((output / "checkpoint-3" / RECIPE_FILE).read_text())  # recorded for the next
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
