@@ -268,7 +268,7 @@ def test_one_writer_per_feature_store(target, tokens, tmp_path, monkeypatch):
             store(target, tokens, tmp_path)
         assert re.fullmatch(
             rf"feature store {re.escape(str(path))} is in use by another run \(pid {holder.pid} on .+, since .+\): "
-            r"wait for it to finish, or choose another feature store",
+            r"wait for it to finish, or give this run another cache_dir",
             str(caught.value),
         ), caught.value
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
@@ -312,7 +312,7 @@ def test_one_writer_per_converted_target(tmp_path, monkeypatch):
             _load_gguf_through_cache(source, torch.float32, tmp_path / "cache")
         assert re.fullmatch(
             rf"converted target {re.escape(str(converted))} is in use by another run \(pid {holder.pid} on .+\): "
-            r"wait for it to finish, or choose another converted target",
+            r"wait for it to finish, or give this run another cache_dir",
             str(caught.value),
         ), caught.value
     finally:

@@ -80,8 +80,16 @@ class FolderLock:
     messages: "output_dir", "regeneration cache entry", ...). Use as a context manager, or
     `acquire()` / `release()`."""
 
-    def __init__(self, lock_file: Path, folder: Path, what: str, same_job_wait: float = SAME_JOB_WAIT_SECONDS):
+    def __init__(
+        self,
+        lock_file: Path,
+        folder: Path,
+        what: str,
+        same_job_wait: float = SAME_JOB_WAIT_SECONDS,
+        alternative: str = "",
+    ):
         self.lock_file = Path(lock_file)
+        self.alternative = alternative or f"choose another {what}"
         self.folder = Path(folder)
         self.what = what
         self.same_job_wait = same_job_wait
@@ -118,7 +126,7 @@ class FolderLock:
                 if mine is None or holder.get("job") != mine:
                     raise FolderInUseError(
                         f"{self.what} {self.folder} is in use by another run ({describe_holder(holder)}): "
-                        f"wait for it to finish, or choose another {self.what}"
+                        f"wait for it to finish, or {self.alternative}"
                     )
                 if time.monotonic() > deadline:
                     raise FolderInUseError(
@@ -167,4 +175,4 @@ def lock_run_folder(output_dir: Path) -> FolderLock:
 
 def lock_cache_entry(entry: Path, what: str) -> FolderLock:
     """The lock of one cache entry being written (journal, feature store, converted target)."""
-    return FolderLock(entry_lock_file(entry), Path(entry), what)
+    return FolderLock(entry_lock_file(entry), Path(entry), what, alternative="give this run another cache_dir")
