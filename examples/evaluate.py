@@ -28,7 +28,7 @@ import torch
 
 from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.evaluation import default_report_folder, evaluate_paths, is_training_run, plot_report, render_markdown
+from trainer.evaluation import default_report_folder, evaluate_paths, plot_report, render_markdown, training_summary
 from trainer.fileio import write_file_atomically
 from trainer.hub_ids import check_hub_id_if_remote
 from trainer.loading import DRAFT_CLASSES, load_draft
@@ -42,8 +42,6 @@ from trainer.prompt_sets import (
 from trainer.target import FrozenTarget
 
 REPORT = "speculative_report"
-SUMMARY_FILE = "demo_summary.json"
-MAX_SUMMARY_BYTES = 1 << 20
 logger = logging.getLogger(__name__)
 
 
@@ -138,22 +136,6 @@ def main(argv: list[str] | None = None) -> dict:
     write_report(report, output)
     print_report(report, output)
     return report
-
-
-def training_summary(draft: str) -> dict[str, float] | None:
-    """The teacher-forced metrics train.py wrote into its run (demo_summary.json), read as JSON only
-    from a training run folder; anything else there (too large, not the summary's shape) is skipped."""
-    summary_file = Path(draft).expanduser() / SUMMARY_FILE
-    if not is_training_run(draft) or not summary_file.is_file() or summary_file.stat().st_size > MAX_SUMMARY_BYTES:
-        return None
-    try:
-        trained = json.loads(summary_file.read_bytes()).get("trained")
-    except (ValueError, AttributeError):
-        trained = None
-    if not isinstance(trained, dict) or not all(isinstance(value, (int, float)) for value in trained.values()):
-        logger.warning("%s is not a training summary (no 'trained' metrics); not shown.", summary_file)
-        return None
-    return trained
 
 
 def report_file(output: Path, kind: str) -> Path:

@@ -7,7 +7,8 @@ examples/evaluate.py does), then scores the very sequences decoding produced wit
 objective: (a) real τ, (b) teacher-forced τ at the anchors decoding visited and how often it gives
 the real acceptance length, (c) teacher-forced τ at every valid anchor of the same sequences, and
 (d) the training evaluation's τ from <draft>/demo_summary.json when it exists. Prints a Markdown
-table and writes the report (with per-anchor lengths) to <draft>/speculative/tau_gap.json.
+table and writes the report (with per-anchor lengths) to <draft>/speculative/tau_gap.json for a
+training run, else outputs/evaluate/<draft name>/tau_gap.json (an exported draft is never written into).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from trainer.chat import end_of_turn_ids
 from trainer.cli import run
+from trainer.evaluation import default_report_folder, training_summary
 from trainer.fileio import write_file_atomically
 from trainer.loading import DRAFT_CLASSES, load_draft
 from trainer.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
@@ -39,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-length", type=int, default=DEFAULT_MAX_PROMPT_LENGTH["heldout"])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--paths", nargs="+", choices=tuple(PATH_MODES), default=list(PATH_MODES))
-    parser.add_argument("--output", help="default: <draft>/speculative/tau_gap.json")
+    parser.add_argument("--output", help="default: <run>/speculative/tau_gap.json (else under outputs/evaluate/)")
     args = parser.parse_args(argv)
     if args.max_samples < 1:
         parser.error("--max-samples must be at least 1")
@@ -57,8 +59,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if not selection.prompts:
         raise ValueError(f"no held-out prompt fits in --max-prompt-length {args.max_prompt_length}")
-    summary_file = Path(args.draft) / "demo_summary.json"
-    training_summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     report = tau_gap_report(
         target,
         draft,
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.max_new_tokens,
         sorted(end_of_turn_ids(target.tokenizer)),
         paths=args.paths,
-        training_summary=training_summary,
+        training_summary=training_summary(args.draft),
     )
-    output = Path(args.output or Path(args.draft) / "speculative" / "tau_gap.json")
+    output = Path(args.output or default_report_folder(args.draft, "tau_gap").with_suffix(".json"))
     output.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=2)
     write_file_atomically(output, lambda temporary: temporary.write_text(text))

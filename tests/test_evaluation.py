@@ -14,7 +14,7 @@ from tests.conftest import randomize
 from tests.test_trainer import make_trainer
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.cli import run
-from trainer.evaluation import evaluate_paths, prompt_ids, render_markdown, summarize
+from trainer.evaluation import evaluate_paths, prompt_ids, render_markdown, summarize, training_summary
 from trainer.speculative import SpeculativeResult
 
 
@@ -295,8 +295,6 @@ def test_a_training_run_keeps_its_reports_and_only_its_summary_is_read(saved, tm
     assert "teacher_forced" not in report  # custom prompts are not the held-out set
     _files_agree(run / "speculative" / "custom")
     (run / "demo_summary.json").write_text(json.dumps(["not", "a", "summary"]))
-    from examples import evaluate
-
-    assert evaluate.training_summary(str(run)) is None
+    assert training_summary(str(run)) is None
     (run / "demo_summary.json").write_text(json.dumps(summary))
-    assert evaluate.training_summary(str(run)) == summary["trained"]
+    assert training_summary(str(run)) == summary["trained"]

@@ -171,13 +171,14 @@ def test_report_pools_the_paths_and_renders_a_table(pair):
     assert len(table) == 4 and table[2].startswith("| selector (walk) |") and table[3].endswith("| 3.250 |")
 
 
-def test_cli_writes_the_report_next_to_the_draft(pair, tmp_path, capsys):
+def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, monkeypatch):
     from examples import tau_gap
 
     target, draft = pair
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
+    (tmp_path / "draft" / "dflash2_recipe.json").write_text(json.dumps({"format": "dflash2-hub recipe"}))  # a run
     (tmp_path / "draft" / "demo_summary.json").write_text(json.dumps({"trained": {"eval_tau_walk": 2.5}}))
     report = tau_gap.main(
         [
@@ -190,3 +191,16 @@ def test_cli_writes_the_report_next_to_the_draft(pair, tmp_path, capsys):
     assert set(written["paths"]) == {"selector"} and written["prompts"] == 2
     assert written["training_eval"] == {"walk": 2.5}
     assert "| selector (walk) |" in capsys.readouterr().out
+    # an exported or downloaded draft is never written into: its report goes under outputs/evaluate
+    (tmp_path / "draft" / "dflash2_recipe.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    before = sorted(path.name for path in (tmp_path / "draft").rglob("*"))
+    exported = tau_gap.main(
+        [
+            *("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")),
+            *("--max-samples", "1", "--max-new-tokens", "4", "--paths", "selector"),
+        ]
+    )
+    assert sorted(path.name for path in (tmp_path / "draft").rglob("*")) == before
+    assert "training_eval" not in exported  # a summary is read only from a run this project wrote
+    assert (tmp_path / "outputs" / "evaluate" / "draft" / "tau_gap.json").is_file()

@@ -8,6 +8,7 @@ renders as JSON, a PNG and one Markdown table (`render_markdown`, also what the 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,12 +143,30 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
 # downloaded draft holds neither.
 TRAINING_RUN_FILES = ("dflash2_recipe.json", "trainer_state.json")
 EVALUATE_ROOT = Path("outputs") / "evaluate"
+SUMMARY_FILE = "demo_summary.json"
+MAX_SUMMARY_BYTES = 1 << 20
 
 
 def is_training_run(draft: str | Path) -> bool:
     """True for a local training run (or checkpoint-N) folder this project wrote."""
     folder = Path(draft).expanduser()
     return folder.is_dir() and any((folder / name).is_file() for name in TRAINING_RUN_FILES)
+
+
+def training_summary(draft: str) -> dict[str, float] | None:
+    """The teacher-forced metrics train.py wrote into its run (demo_summary.json), read as JSON only
+    from a training run folder; anything else there (too large, not the summary's shape) is skipped."""
+    summary_file = Path(draft).expanduser() / SUMMARY_FILE
+    if not is_training_run(draft) or not summary_file.is_file() or summary_file.stat().st_size > MAX_SUMMARY_BYTES:
+        return None
+    try:
+        trained = json.loads(summary_file.read_bytes()).get("trained")
+    except (ValueError, AttributeError):
+        trained = None
+    if not isinstance(trained, dict) or not all(isinstance(value, (int, float)) for value in trained.values()):
+        logger.warning("%s is not a training summary (no 'trained' metrics); not shown.", summary_file)
+        return None
+    return trained
 
 
 def default_report_folder(draft: str | Path, benchmark: str) -> Path:
