@@ -225,8 +225,8 @@ def test_only_the_lowest_surviving_rank_prints_and_every_survivor_exits_1(rank, 
     with pytest.raises(Exited) as exited:
         dog.report(lost)
     assert exited.value.args == (wd.LOST_RANK_STATUS,)
-    printed = capsys.readouterr().err.splitlines()
-    assert printed == ([f"error: {lost.message}"] if speaks else [])
+    printed = capsys.readouterr().err
+    assert printed == (f"\nerror: {lost.message}\n" if speaks else "")  # on a line of its own, whatever came before
     assert bool(slept) is not speaks  # a silent rank gives the speaker time to print
 
 
@@ -268,7 +268,7 @@ def test_watched_run_turns_a_lost_peer_into_its_report(monkeypatch, gone_process
     with pytest.raises(Exited), wd.watched_run():
         raise RuntimeError("Connection closed by peer [127.0.0.1]:4711")
     assert capsys.readouterr().err == (
-        "error: rank 1 died (its process is gone; its connection closed) during step 4: stopping this rank\n"
+        "\nerror: rank 1 died (its process is gone; its connection closed) during step 4: stopping this rank\n"
     )
     with pytest.raises(RuntimeError), wd.watched_run(debug=True):  # --debug: the traceback instead
         raise RuntimeError("Connection closed by peer [127.0.0.1]:4711")

@@ -383,7 +383,12 @@ class Watchdog:
                 time.sleep(1.0)
         self._stopping.set()
         if self.speaker(lost) == self.rank:
-            print(f"error: {lost.message}", file=self.stream or sys.stderr, flush=True)
+            from trainer.cli import close_progress_bars  # (cli imports this module)
+
+            with contextlib.suppress(Exception):
+                close_progress_bars()  # the line must not land after an open bar
+            # nor after the half-drawn bar of the rank that died (the ranks share the launcher's stderr)
+            print(f"\nerror: {lost.message}", file=self.stream or sys.stderr, flush=True)
         else:
             # the speaker finds the same within an interval; leaving first would let the launcher
             # tear the job down before it prints
