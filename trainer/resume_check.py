@@ -31,14 +31,17 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.export import RECIPE_FILE
+from trainer.objective import ObjectiveConfig
+
 logger = logging.getLogger(__name__)
 
-RECIPE_FILE = "dflash2_recipe.json"  # the same name as trainer.export.RECIPE_FILE
 IDENTITY_KEY = "resume_identity"
 DATASET_SAMPLE_ROWS = 64
 TARGET_SAMPLE_ROWS = 8
@@ -78,20 +81,9 @@ DATA_FIELDS = (
     "system_prompt",
     "enable_thinking",
 )
-OBJECTIVE_FIELDS = (
-    "num_anchors",
-    "loss_type",
-    "gamma",
-    "dpace_alpha",
-    "dpace_weighting",
-    "kd_weight",
-    "kd_temperature",
-    "selector_alpha",
-    "selector_warmup_ratio",
-    "selector_ramp_ratio",
-    "selector_gold",
-    "selector_stop_gradient",
-)
+# The objective's own fields (`ObjectiveConfig`, named alike in the recipe), but the loss head's
+# chunking, which changes memory and not what is computed.
+OBJECTIVE_FIELDS = tuple(field.name for field in fields(ObjectiveConfig) if field.name != "chunk_blocks")
 OPTIMIZATION_FIELDS = (
     "optim",
     "optim_args",
