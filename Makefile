@@ -44,7 +44,7 @@ demo: setup
 		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
 		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
 
-# the equal-budget recipe comparison of the README (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
+# the equal-budget recipe comparison of docs/results.md (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
 # 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable)
 compare: setup
 	$(BIN)/python examples/compare_recipes.py

@@ -38,7 +38,7 @@ def bench_regeneration(target, prompts: list[str], max_new_tokens: int = 32, con
     unpadded in-process ones token for token."""
     if str(REPO) not in sys.path:  # the loopback server lives with the tests
         sys.path.insert(0, str(REPO))
-    from tests.openai_server import LoopbackOpenAI
+    from benchmarks.openai_loopback import LoopbackOpenAI
     from trainer.endpoint import EndpointSettings
     from trainer.regeneration import GenerationSettings, prompt_conversation
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from tests.openai_server import LoopbackOpenAI
+from benchmarks.openai_loopback import LoopbackOpenAI
 from tests.tiny_target import tiny_target
 from trainer import regeneration as regeneration_module
 from trainer.endpoint import EndpointError, EndpointSettings

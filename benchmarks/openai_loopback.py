@@ -1,5 +1,5 @@
-"""A loopback OpenAI-compatible chat-completions server for tests, answering with a real target's
-greedy `generate` (what vLLM / SGLang would serve for that model).
+"""A loopback OpenAI-compatible chat-completions server for the regeneration benchmark and the tests,
+answering with a real target's greedy `generate` (what vLLM / SGLang would serve for that model).
 
 Routes: GET /v1/models, POST /v1/chat/completions (non-streaming; `usage.prompt_tokens` from the
 server's own templating), POST /tokenize (vLLM's and SGLang's, beside /v1; off with
