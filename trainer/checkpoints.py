@@ -10,8 +10,6 @@ Resume (`true`) takes the newest checkpoint whose manifest checks out and names 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import logging
 import os
@@ -19,12 +17,12 @@ import pickle
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from trainer.fileio import DISK_FULL_ERRNOS, SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
+from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -259,56 +257,3 @@ def rotate(run_dir: Path, keep: int | None, protected: Iterable[Path | str | Non
     for victim in victims:
         remove_tree(victim)
     return victims
-
-
-# ---------------------------------------------------------------------------------------------
-# A full disk, whichever library hit it
-# ---------------------------------------------------------------------------------------------
-
-PROBE_BYTES = 64 * 1024
-SAFETENSORS_ERRNOS = {"os error 28": errno.ENOSPC, "os error 122": errno.EDQUOT}
-
-
-def _probe_disk_full(directory: Path) -> int | None:
-    """ENOSPC / EDQUOT when `directory` (or its nearest existing parent) cannot take 64 KiB now."""
-    directory = Path(directory)
-    while not directory.is_dir() and directory != directory.parent:
-        directory = directory.parent
-    probe = directory / f".dflash2-space-probe-{uuid.uuid4().hex[:8]}"
-    try:
-        with probe.open("wb") as handle:
-            handle.write(b"\0" * PROBE_BYTES)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as error:
-        return error.errno if error.errno in DISK_FULL_ERRNOS else None
-    finally:
-        probe.unlink(missing_ok=True)
-    return None
-
-
-def disk_full_errno(error: BaseException, directory: Path) -> int | None:
-    """ENOSPC / EDQUOT when `error` is a full disk: an OSError says so itself; safetensors reports
-    `os error 28` in a SafetensorError, and torch.save only an `unexpected pos` RuntimeError, so for
-    those the filesystem is probed."""
-    if isinstance(error, OSError):
-        return error.errno if error.errno in DISK_FULL_ERRNOS else None
-    message = str(error)
-    for marker, code in SAFETENSORS_ERRNOS.items():
-        if marker in message:
-            return code
-    if isinstance(error, RuntimeError) and ("inline_container" in message or "PytorchStreamWriter" in message):
-        return _probe_disk_full(directory)
-    return None
-
-
-@contextlib.contextmanager
-def disk_full_as_os_error(directory: Path) -> Iterator[None]:
-    """Re-raise a full disk hit inside as `OSError(ENOSPC or EDQUOT)` (for `reporting_disk_full`)."""
-    try:
-        yield
-    except Exception as error:
-        code = None if isinstance(error, OSError) else disk_full_errno(error, directory)
-        if code is None:
-            raise
-        raise OSError(code, f"{os.strerror(code)} ({error})") from error

@@ -27,7 +27,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from trainer.fileio import check_safetensors_file, digest, reporting_disk_full, write_directory_atomically
+from trainer.fileio import (
+    check_safetensors_file,
+    digest,
+    format_bytes,
+    reporting_disk_full,
+    write_directory_atomically,
+)
 from trainer.locks import lock_cache_entry
 from trainer.target import FrozenTarget
 
@@ -134,14 +140,6 @@ def _write_tensor(file: BinaryIO, tensor: torch.Tensor) -> None:
         file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
-def _size(count: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1024
-    return ""
-
-
 def prepare_features(
     target: FrozenTarget,
     dataset: datasets.Dataset,
@@ -200,8 +198,8 @@ def _capture(
         shard_bytes = sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
         needed = (written + shard_bytes) / (captured + len(entries["samples"])) * len(dataset)
         kept = (
-            f"{captured} of {len(dataset)} samples captured ({_size(written)} written, about "
-            f"{_size(needed)} needed for all); nothing partial is kept"
+            f"{captured} of {len(dataset)} samples captured ({format_bytes(written)} written, about "
+            f"{format_bytes(needed)} needed for all); nothing partial is kept"
         )
         with reporting_disk_full("feature store", entry, kept):
             written += write_shard(directory / name, shard)

@@ -59,37 +59,82 @@ class DiskFullError(OSError):
     what is kept (an OSError: the scripts print it in one line and exit 2)."""
 
 
+def format_bytes(count: float) -> str:
+    """`count` bytes for messages: `512 bytes`, `4.1 KiB`, ..., `20.5 GiB`."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return ""
+
+
+def existing_folder(path: Path) -> Path:
+    """`path` when it is a folder, else its nearest existing parent folder."""
+    path = Path(path)
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def free_space(path: Path) -> str:
     """Free space on the filesystem holding `path` (or its nearest existing parent), for messages."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
     try:
-        free = shutil.disk_usage(path).free
+        return format_bytes(shutil.disk_usage(existing_folder(path)).free)
     except OSError:
         return "unknown"
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if free < 1024 or unit == "GiB":
-            return f"{free:.0f} {unit}" if unit == "bytes" else f"{free:.1f} {unit}"
-        free /= 1024
-    return "unknown"
+
+
+PROBE_BYTES = 64 * 1024
+SAFETENSORS_ERRNOS = {"os error 28": errno.ENOSPC, "os error 122": errno.EDQUOT}
+
+
+def _probe_disk_full(path: Path) -> int | None:
+    """ENOSPC / EDQUOT when the folder of `path` cannot take 64 KiB now, else None."""
+    probe = existing_folder(path) / f".dflash2-space-probe-{os.getpid()}-{id(path):x}"
+    try:
+        with probe.open("wb") as handle:
+            handle.write(b"\0" * PROBE_BYTES)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        return error.errno if error.errno in DISK_FULL_ERRNOS else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def disk_full_errno(error: BaseException, path: Path) -> int | None:
+    """ENOSPC / EDQUOT when `error` is a full disk, whichever library hit it: an OSError says so
+    itself; safetensors reports `os error 28` inside a SafetensorError, and torch.save only an
+    `unexpected pos` RuntimeError, so for that one the filesystem is probed."""
+    if isinstance(error, OSError):
+        return error.errno if error.errno in DISK_FULL_ERRNOS else None
+    message = str(error)
+    for marker, code in SAFETENSORS_ERRNOS.items():
+        if marker in message:
+            return code
+    if isinstance(error, RuntimeError) and ("inline_container" in message or "PytorchStreamWriter" in message):
+        return _probe_disk_full(path)
+    return None
 
 
 @contextlib.contextmanager
 def reporting_disk_full(what: str, path: Path, kept: str = "") -> Iterator[None]:
-    """Turn ENOSPC / EDQUOT raised inside into a `DiskFullError` naming `what`, `path`, the free
-    space left and `kept` (what survives, e.g. the last complete checkpoint); other errors pass."""
+    """Turn a full disk or quota hit inside (`disk_full_errno`: an OSError, or a library's own error
+    for it) into a `DiskFullError` naming `what`, `path`, the free space left and `kept` (what
+    survives, e.g. the last complete checkpoint); other errors pass unchanged."""
     try:
         yield
     except DiskFullError:
         raise
-    except OSError as error:
-        if error.errno not in DISK_FULL_ERRNOS:
+    except Exception as error:
+        code = disk_full_errno(error, path)
+        if code is None:
             raise
-        reason = "no space left on device" if error.errno == errno.ENOSPC else "disk quota exceeded"
+        reason = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
         message = f"{reason} while writing {what} {path} ({free_space(path)} free)"
         full = DiskFullError(f"{message}{'; ' + kept if kept else ''}")
-        full.errno = error.errno
+        full.errno = code
         raise full from error
 
 

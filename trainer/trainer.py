@@ -39,7 +39,6 @@ from trainer.checkpoints import (
     STAGING_PREFIX,
     check_resumable,
     clean_leftovers,
-    disk_full_as_os_error,
     newest_complete_checkpoint,
     publish_staged,
     rotate,
@@ -356,8 +355,7 @@ class DFlash2Trainer(Trainer):
         kept = f"{self._last_good()} (kept; nothing was rotated away)"
         with reporting_disk_full(f"the checkpoint of step {step}", final, kept=kept):
             try:
-                with disk_full_as_os_error(parent):
-                    self._save_checkpoint_staged(model, trial, run_dir, parent, final, step)
+                self._save_checkpoint_staged(model, trial, run_dir, parent, final, step)
             except BaseException:
                 if self.args.should_save:
                     shutil.rmtree(parent, ignore_errors=True)
@@ -404,7 +402,7 @@ class DFlash2Trainer(Trainer):
         else:
             kept = f"the files there are the previous ones; {self._last_good()}"
             what = f"the draft of step {self.state.global_step} to"
-            with reporting_disk_full(what, output_dir, kept=kept), disk_full_as_os_error(output_dir):
+            with reporting_disk_full(what, output_dir, kept=kept):
                 replace_files_atomically(output_dir, self._write_draft)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
