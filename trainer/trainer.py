@@ -353,13 +353,13 @@ class DFlash2Trainer(Trainer):
         parent = staging_parent(run_dir, step)
         final = run_dir / f"checkpoint-{step}"
         kept = f"{self._last_good()} (kept; nothing was rotated away)"
-        with reporting_disk_full(f"the checkpoint of step {step}", final, kept=kept):
-            try:
+        try:  # a full disk is recognised (it may probe the disk) before the staged files are removed
+            with reporting_disk_full(f"the checkpoint of step {step}", final, kept=kept):
                 self._save_checkpoint_staged(model, trial, run_dir, parent, final, step)
-            except BaseException:
-                if self.args.should_save:
-                    shutil.rmtree(parent, ignore_errors=True)
-                raise
+        except BaseException:
+            if self.args.should_save:
+                shutil.rmtree(parent, ignore_errors=True)
+            raise
         if self.args.should_save:
             rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint])
         self.accelerator.wait_for_everyone()
