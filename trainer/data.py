@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.blocks import valid_anchor_mask
 from trainer.chat import tokenize_chat
 from trainer.endpoint import EndpointSettings
+from trainer.engine_features import FeatureEndpointSettings, check_engine_layers, prepare_engine_features
 from trainer.feature_store import OfflineDataset, prepare_features, store_fingerprint
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
@@ -380,6 +381,25 @@ def endpoint_settings(args) -> EndpointSettings | None:
     )
 
 
+def feature_endpoint_settings(args) -> FeatureEndpointSettings | None:
+    """Where the offline features come from: a vLLM `feature_endpoint` when set, else the target in process."""
+    if not args.feature_endpoint:
+        if args.feature_model:
+            raise ValueError("feature_model is set but feature_endpoint is not: set the endpoint's URL")
+        return None
+    if not args.offline:
+        raise ValueError("feature_endpoint is set but offline is false: set offline: true to store engine features")
+    endpoint = EndpointSettings(
+        url=args.feature_endpoint,
+        model=args.feature_model,
+        concurrency=args.feature_concurrency,
+        timeout=args.feature_timeout,
+        max_retries=args.feature_max_retries,
+        keys="feature",
+    )
+    return FeatureEndpointSettings(endpoint, file_timeout=args.feature_file_timeout)
+
+
 def cache_root_of(args) -> Path:
     return Path(args.cache_dir) if args.cache_dir else default_cache_root()
 
@@ -443,15 +463,25 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
     return usable(train, train_name), None if evaluation is None else usable(evaluation, eval_name)
 
 
-def build_datasets(args, target: FrozenTarget, layer_ids: Sequence[int], final_hidden: bool = False):
+def build_datasets(args, target: FrozenTarget | TargetTokenizer, layer_ids: Sequence[int], final_hidden: bool = False):
     """(train, eval or None) tokenized datasets (`token_datasets`), or offline datasets with stored
-    target features (with the target's final hidden states too when `final_hidden`, for distillation)."""
+    target features (with the target's final hidden states too when `final_hidden`, for distillation),
+    captured in process or, with `feature_endpoint`, through a vLLM server (where the target's
+    tokenizer is enough: `TargetTokenizer`)."""
+    engine = feature_endpoint_settings(args)
+    if engine is not None:
+        check_engine_layers(layer_ids, target.num_layers, final_hidden)
     train, evaluation = token_datasets(args, target)
     if args.offline:
         dtype = getattr(torch, args.offline_dtype)
 
         def offline(tokens: datasets.Dataset) -> OfflineDataset:
-            store = prepare_features(target, tokens, layer_ids, cache_root_of(args), dtype, final_hidden=final_hidden)
+            if engine is not None:
+                store = prepare_engine_features(engine, target, tokens, layer_ids, cache_root_of(args), dtype)
+            else:
+                store = prepare_features(
+                    target, tokens, layer_ids, cache_root_of(args), dtype, final_hidden=final_hidden
+                )
             return OfflineDataset(tokens, store, store_fingerprint(target, layer_ids, dtype, final_hidden))
 
         train = offline(train)

@@ -52,18 +52,23 @@ class EndpointSettings:
     backoff: float = 1.0  # seconds before the first retry, doubled each time up to `max_backoff`
     max_backoff: float = 60.0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    keys: str = "regenerate"  # the recipe keys' prefix, for messages: regenerate_* or feature_*
+
+    def key(self, name: str) -> str:
+        """The recipe key of a setting, e.g. `key("endpoint")` -> "regenerate_endpoint"."""
+        return f"{self.keys}_{name}"
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(
-                f"regenerate_endpoint must be an http(s) URL such as http://host:8000/v1 (got {self.url!r})"
+                f"{self.key('endpoint')} must be an http(s) URL such as http://host:8000/v1 (got {self.url!r})"
             )
         if self.concurrency < 1:
-            raise ValueError(f"regenerate_concurrency must be >= 1 (got {self.concurrency})")
+            raise ValueError(f"{self.key('concurrency')} must be >= 1 (got {self.concurrency})")
         if not self.timeout > 0:
-            raise ValueError(f"regenerate_timeout must be > 0 seconds (got {self.timeout})")
+            raise ValueError(f"{self.key('timeout')} must be > 0 seconds (got {self.timeout})")
         if self.max_retries < 0:
-            raise ValueError(f"regenerate_max_retries must be >= 0 (got {self.max_retries})")
+            raise ValueError(f"{self.key('max_retries')} must be >= 0 (got {self.max_retries})")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class EndpointClient:
         self.settings = settings
         self.base = settings.url.rstrip("/")
         self.model: str | None = settings.model
+        self.name = settings.key("endpoint")
+        self.probe_reply: dict[str, Any] = {}  # how messages name it: regenerate_endpoint or feature_endpoint
         headers = {}
         api_key = os.environ.get(API_KEY_VARIABLE) or os.environ.get("OPENAI_API_KEY")
         if api_key:
@@ -110,7 +117,7 @@ class EndpointClient:
                 retry_after = response.headers.get("retry-after")
             except (TimeoutError, httpx.TimeoutException) as error:
                 kind = f", {type(error).__name__}" if isinstance(error, httpx.TimeoutException) else ""
-                problem = f"no whole answer within regenerate_timeout={self.settings.timeout:g} s{kind}"
+                problem = f"no whole answer within {self.settings.key('timeout')}={self.settings.timeout:g} s{kind}"
                 retry_after = None
             except httpx.TransportError as error:
                 problem, retry_after = f"{type(error).__name__}: {error}", None
@@ -127,10 +134,10 @@ class EndpointClient:
         try:
             response = await self._request("GET", "/models")
         except EndpointError as error:
-            raise EndpointError(f"regenerate_endpoint {self.base} cannot be reached: {error}") from None
+            raise EndpointError(f"{self.name} {self.base} cannot be reached: {error}") from None
         if response.status_code != 200:
             raise EndpointError(
-                f"regenerate_endpoint {self.base}: GET /models answered HTTP {response.status_code} "
+                f"{self.name} {self.base}: GET /models answered HTTP {response.status_code} "
                 "(is the URL the server's OpenAI base, ending in /v1?)"
             )
         body = json_body(response, f"{self.base}/models")
@@ -139,7 +146,7 @@ class EndpointClient:
             isinstance(entry, dict) and isinstance(entry.get("id"), str) for entry in entries
         ):
             raise EndpointError(
-                f"regenerate_endpoint {self.base}: GET /models answered a malformed body (expected "
+                f"{self.name} {self.base}: GET /models answered a malformed body (expected "
                 f'{{"data": [{{"id": "<model>"}}, ...]}}): {response.text[:100]!r}'
             )
         return [entry["id"] for entry in entries]
@@ -152,24 +159,25 @@ class EndpointClient:
         if self.model is None:
             if len(served) != 1:
                 raise EndpointError(
-                    f"regenerate_endpoint {self.base} serves {len(served)} models ({', '.join(served) or 'none'}): "
-                    "set regenerate_model to the target's served name"
+                    f"{self.name} {self.base} serves {len(served)} models ({', '.join(served) or 'none'}): "
+                    f"set {self.settings.key('model')} to the target's served name"
                 )
             self.model = served[0]
         elif self.model not in served:
             raise EndpointError(
-                f"regenerate_model {self.model!r} is not served by {self.base} "
+                f"{self.settings.key('model')} {self.model!r} is not served by {self.base} "
                 f"(it serves: {', '.join(served) or 'none'})"
             )
         try:
             answer = await self._complete(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
         except EndpointRefusal as refusal:
-            raise EndpointError(f"regenerate_endpoint {self.base} refused the probe request ({refusal})") from None
+            raise EndpointError(f"{self.name} {self.base} refused the probe request ({refusal})") from None
+        self.probe_reply = answer  # (an engine's extra fields: vLLM's hidden-state file of the probe)
         usage = answer.get("usage")
         served_length = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if isinstance(served_length, int) and served_length != len(prompt_ids):
             raise EndpointError(
-                f"regenerate_endpoint model {self.model!r} is not the recipe's target: it reads the probe "
+                f"{self.name} model {self.model!r} is not the recipe's target: it reads the probe "
                 f"conversation as {served_length} tokens, the target's tokenizer and chat template as "
                 f"{len(prompt_ids)} (serve the target, with its own chat template)"
             )
@@ -177,7 +185,7 @@ class EndpointClient:
         expected = tokenizer.encode(PROBE_MESSAGES[0]["content"], add_special_tokens=False)
         if served_ids is not None and served_ids[-len(expected) :] != expected:
             raise EndpointError(
-                f"regenerate_endpoint model {self.model!r} is not the recipe's target: its tokenizer gives "
+                f"{self.name} model {self.model!r} is not the recipe's target: its tokenizer gives "
                 f"other token ids than the target's for the same text (vocabulary differs)"
             )
         return self.model
@@ -221,6 +229,21 @@ class EndpointClient:
             raise EndpointError(f"{self.base}/chat/completions answered {type(body).__name__} JSON, not an object")
         return body
 
+    async def completion_of_ids(self, prompt_ids: list[int], *, max_tokens: int) -> dict[str, Any]:
+        """A greedy completion of token ids (no chat template): the body, with the engine's extra
+        fields such as vLLM's `kv_transfer_params`. A refused request raises EndpointRefusal."""
+        payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+        response = await self._request("POST", "/completions", payload)
+        url = f"{self.base}/completions"
+        if response.status_code in REFUSED_STATUSES:
+            raise EndpointRefusal(response.status_code, response.text[:300])
+        if response.status_code != 200:
+            raise EndpointError(f"{url} answered HTTP {response.status_code}: {response.text[:300]}")
+        body = json_body(response, url)
+        if not isinstance(body, dict):
+            raise EndpointError(f"{url} answered {type(body).__name__} JSON, not an object")
+        return body
+
     async def answer(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
         """The target's answer to `messages` (the server templates them)."""
         body = await self._complete(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -242,7 +265,7 @@ class EndpointClient:
         finish_reason = choice.get("finish_reason")
         if message.get("reasoning_content") or message.get("reasoning"):
             raise EndpointError(
-                f"regenerate_endpoint {self.base} splits the answer's reasoning from its content: serve the target "
+                f"{self.name} {self.base} splits the answer's reasoning from its content: serve the target "
                 "without a reasoning parser (vLLM --reasoning-parser, SGLang --reasoning-parser) so the whole "
                 "answer the draft must learn arrives as content"
             )

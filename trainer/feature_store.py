@@ -18,7 +18,8 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -175,6 +176,81 @@ def prepare_features(
     return path
 
 
+class ShardWriter:
+    """Collects captured samples into the shards of a store being written (in process or through
+    an engine), each with its statistics, and writes a shard every `shard_samples` samples.
+
+    `shards` are the shards already written (a resumed engine capture); `on_shard` is called with
+    each new shard's index entry once its file is complete (the engine capture journals it)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        entry: Path,
+        total: int,
+        shard_samples: int,
+        shards: list[dict[str, Any]] | None = None,
+        on_shard: Callable[[dict[str, Any]], None] | None = None,
+        kept: str = "nothing partial is kept",
+    ):
+        self.directory, self.entry, self.total = directory, entry, total
+        self.shard_samples, self.on_shard, self.kept = shard_samples, on_shard, kept
+        self.shards: list[dict[str, Any]] = list(shards or [])
+        self.captured = sum(len(shard["samples"]) for shard in self.shards)
+        self.written = sum((directory / shard["file"]).stat().st_size for shard in self.shards)
+        self._next = 1 + max((int(shard["file"][6:11]) for shard in self.shards), default=-1)
+        self._shard: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, list] = {"samples": [], "tokens": [], "statistics": []}
+
+    def add(self, sample: int, hidden: torch.Tensor, final: torch.Tensor | None = None) -> None:
+        """One sample's stored tensors ([tokens, width], in the store's dtype, on any device): the
+        statistics are those of the values written."""
+        statistics = list(tensor_statistics(hidden))
+        self._shard[f"sample_{sample}"] = hidden.to("cpu").contiguous()
+        if final is not None:
+            statistics += tensor_statistics(final)
+            self._shard[f"final_{sample}"] = final.to("cpu").contiguous()
+        self._entries["samples"].append(sample)
+        self._entries["tokens"].append(int(hidden.shape[0]))
+        self._entries["statistics"].append(statistics)
+        if len(self._entries["samples"]) >= self.shard_samples:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the samples collected so far as one shard (temporary name, then renamed)."""
+        if not self._entries["samples"]:
+            return
+        name = f"shard-{self._next:05d}.safetensors"
+        shard_bytes = sum(tensor.numel() * tensor.element_size() for tensor in self._shard.values())
+        needed = (self.written + shard_bytes) / (self.captured + len(self._entries["samples"])) * self.total
+        kept = (
+            f"{self.captured} of {self.total} samples captured ({format_bytes(self.written)} written, about "
+            f"{format_bytes(needed)} needed for all); {self.kept}"
+        )
+        partial = self.directory / f".{name}.partial"
+        with reporting_disk_full("feature store", self.entry, kept):
+            self.written += write_shard(partial, self._shard)
+            os.replace(partial, self.directory / name)
+        entry = {"file": name, **self._entries}
+        self.shards.append(entry)
+        self.captured += len(self._entries["samples"])
+        self._next += 1
+        self._shard, self._entries = {}, {"samples": [], "tokens": [], "statistics": []}
+        if self.on_shard is not None:
+            self.on_shard(entry)
+
+    def index(self, fingerprint: dict[str, Any]) -> dict[str, Any]:
+        """The store's index (`features.json`), once every sample is in a shard."""
+        return {
+            "format": STORE_FORMAT,
+            "store": fingerprint,
+            "num_samples": self.total,
+            "layer_ids": fingerprint["layer_ids"],
+            "final_hidden": fingerprint["final_hidden"],
+            "shards": self.shards,
+        }
+
+
 def _capture(
     target: FrozenTarget,
     dataset: datasets.Dataset,
@@ -187,26 +263,7 @@ def _capture(
     entry: Path,
 ) -> None:
     """Fill `directory` (the temporary sibling of `entry`) with the shards and, last, the index."""
-    shards: list[dict[str, Any]] = []
-    shard: dict[str, torch.Tensor] = {}
-    entries: dict[str, list] = {"samples": [], "tokens": [], "statistics": []}
-    captured = written = 0
-
-    def flush() -> None:
-        nonlocal shard, entries, captured, written
-        name = f"shard-{len(shards):05d}.safetensors"
-        shard_bytes = sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
-        needed = (written + shard_bytes) / (captured + len(entries["samples"])) * len(dataset)
-        kept = (
-            f"{captured} of {len(dataset)} samples captured ({format_bytes(written)} written, about "
-            f"{format_bytes(needed)} needed for all); nothing partial is kept"
-        )
-        with reporting_disk_full("feature store", entry, kept):
-            written += write_shard(directory / name, shard)
-        shards.append({"file": name, **entries})
-        captured += len(entries["samples"])
-        shard, entries = {}, {"samples": [], "tokens": [], "statistics": []}
-
+    writer = ShardWriter(directory, entry, len(dataset), shard_samples)
     for start in tqdm(range(0, len(dataset), batch_size), desc="capturing target hidden states"):
         batch = dataset[start : start + batch_size]["input_ids"]
         lengths = [len(ids) for ids in batch]
@@ -220,27 +277,10 @@ def _capture(
         )
         hidden, final = captured_batch if final_hidden else (captured_batch, None)
         for row, length in enumerate(lengths):
-            sample = start + row
-            stored = hidden[row, :length].to(dtype)  # statistics of the values written, on the target's device
-            statistics = list(tensor_statistics(stored))
-            shard[f"sample_{sample}"] = stored.to("cpu").contiguous()
-            if final is not None:
-                stored = final[row, :length].to(dtype)
-                statistics += tensor_statistics(stored)
-                shard[f"final_{sample}"] = stored.to("cpu").contiguous()
-            entries["samples"].append(sample)
-            entries["tokens"].append(length)
-            entries["statistics"].append(statistics)
-        if len(entries["samples"]) >= shard_samples or start + batch_size >= len(dataset):
-            flush()
-    index = {
-        "format": STORE_FORMAT,
-        "store": store_fingerprint(target, layer_ids, dtype, final_hidden),
-        "num_samples": len(dataset),
-        "layer_ids": list(layer_ids),
-        "final_hidden": final_hidden,
-        "shards": shards,
-    }
+            stored_final = None if final is None else final[row, :length].to(dtype)
+            writer.add(start + row, hidden[row, :length].to(dtype), stored_final)
+    writer.flush()
+    index = writer.index(store_fingerprint(target, layer_ids, dtype, final_hidden))
     (directory / FEATURE_INDEX).write_text(json.dumps(index))
 
 

@@ -137,11 +137,17 @@ def _dequantized_copy(model: PreTrainedModel) -> PreTrainedModel:
     return clean
 
 
+def converted_gguf_path(source: TargetSource, cache_root: Path) -> Path:
+    """Where a GGUF target's converted transformers checkpoint lives in the cache (what a serving
+    engine can load as the same target)."""
+    return Path(cache_root) / "targets" / source.fingerprint()
+
+
 def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_root: Path):
     """A GGUF target as the transformers checkpoint converted from it once, under the cache. One
     process converts an entry (`lock_cache_entry`; another rank of the same job waits for it, then
     loads what it wrote; another run is refused, naming the holder)."""
-    converted = cache_root / "targets" / source.fingerprint()
+    converted = converted_gguf_path(source, cache_root)
     if not (converted / "config.json").exists():
         with lock_cache_entry(converted, "converted target"):
             if not (converted / "config.json").exists():  # else converted by the holder we waited for
@@ -174,6 +180,18 @@ class TargetTokenizer:
 
     def fingerprint(self) -> str:
         return self.source.fingerprint()
+
+    @functools.cached_property
+    def text_config(self) -> PretrainedConfig:
+        return self.source.text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
 
     @classmethod
     def load(cls, target: str, gguf_file: str | None = None) -> TargetTokenizer:

