@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.endpoint import EndpointError
+from trainer.endpoint import EndpointError, run_workers
 from trainer.engine_features import (
     PROGRESS_FILE,
     _recovered_shards,
@@ -168,3 +168,21 @@ def test_recovery_keeps_whole_journaled_shards_and_drops_the_rest(tmp_path: Path
     resumed.add(8, torch.ones(3, 4))
     resumed.flush()
     assert resumed.shards[-1]["file"] == "shard-00002.safetensors"  # numbering continues after the kept shards
+
+
+def test_the_first_failing_worker_stops_the_others_and_is_raised_alone():
+    finished: list[int] = []
+    started: list[int] = []
+
+    async def worker() -> None:
+        started.append(len(started))
+        if started[-1] == 0:
+            await asyncio.sleep(0.01)
+            raise EndpointError("server gone")
+        await asyncio.sleep(10)  # would go on sending through a closed client
+        finished.append(started[-1])
+
+    began = time.monotonic()
+    with pytest.raises(EndpointError, match=r"^server gone$"):
+        asyncio.run(run_workers(worker, 3))
+    assert time.monotonic() - began < 2 and len(started) == 3 and finished == []

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,6 +273,22 @@ class EndpointClient:
         return EndpointAnswer(
             text=content or "", finish_reason=finish_reason if isinstance(finish_reason, str) else "stop"
         )
+
+
+async def run_workers(worker: Callable[[], Awaitable[None]], count: int) -> None:
+    """`count` concurrent copies of `worker`; the first failure cancels the others (which would
+    otherwise go on sending through a closed client) and is raised alone."""
+    tasks = [asyncio.ensure_future(worker()) for _ in range(count)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    failures = [failure for failure in failures if not isinstance(failure, asyncio.CancelledError)] or failures
+    if failures:
+        raise failures[0]
 
 
 def json_body(response: httpx.Response, url: str) -> Any:

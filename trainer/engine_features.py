@@ -46,7 +46,14 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from trainer.chat import render, template_kwargs
-from trainer.endpoint import PROBE_MESSAGES, EndpointClient, EndpointError, EndpointRefusal, EndpointSettings
+from trainer.endpoint import (
+    PROBE_MESSAGES,
+    EndpointClient,
+    EndpointError,
+    EndpointRefusal,
+    EndpointSettings,
+    run_workers,
+)
 from trainer.feature_store import (
     FEATURE_INDEX,
     ShardWriter,
@@ -379,7 +386,7 @@ async def _capture_through_engine(
                 await capture(row)
 
         try:
-            await asyncio.gather(*(worker() for _ in range(settings.endpoint.concurrency)))
+            await run_workers(worker, settings.endpoint.concurrency)
         finally:
             progress.close()
             nudger.remove_files()

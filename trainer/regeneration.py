@@ -36,7 +36,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from trainer.chat import end_of_turn_ids, render, template_kwargs, tokenize_chat
-from trainer.endpoint import PROBE_MESSAGES, EndpointClient, EndpointError, EndpointRefusal, EndpointSettings
+from trainer.endpoint import (
+    PROBE_MESSAGES,
+    EndpointClient,
+    EndpointError,
+    EndpointRefusal,
+    EndpointSettings,
+    run_workers,
+)
 from trainer.fileio import digest, reporting_disk_full, write_directory_atomically
 from trainer.locks import lock_cache_entry
 from trainer.response_journal import SKIP_EMPTY, SKIP_REFUSED, SKIP_TOO_LONG, ResponseJournal
@@ -242,7 +249,7 @@ async def _answer_through_endpoint(
                 journal.append(await answer(row))
                 progress.update(1)
 
-        await asyncio.gather(*(worker() for _ in range(endpoint.concurrency)))
+        await run_workers(worker, endpoint.concurrency)
 
 
 # ---------------------------------------------------------------------------------------------

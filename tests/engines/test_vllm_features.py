@@ -56,7 +56,8 @@ def feature_server(engine_root: Path, target_checkpoint: Path):
 def token_samples(tokenizer, count: int, offset: int = 0) -> datasets.Dataset:
     """Templated chat prompts with an answer, of varied lengths."""
     rows = []
-    for index, prompt in enumerate(chitchat_prompts()[offset : offset + count]):
+    short = [prompt for prompt in chitchat_prompts() if len(prompt) < 120]  # some run to 1700 tokens
+    for index, prompt in enumerate(short[offset : offset + count]):
         ids = render(tokenizer, [{"role": "user", "content": prompt}], True, {})
         answer = tokenizer.encode(" It is a fine question." * (1 + index % 4), add_special_tokens=False)
         rows.append(ids + answer)
@@ -161,7 +162,7 @@ def training_recipe(tmp_path: Path, name: str, **keys) -> Path:
     conversations = tmp_path / "conversations.jsonl"
     if not conversations.exists():
         lines = []
-        for index, prompt in enumerate(chitchat_prompts()[:24]):
+        for index, prompt in enumerate([prompt for prompt in chitchat_prompts() if len(prompt) < 120][:24]):
             answer = " ".join(["A short and friendly answer."] * (1 + index % 3))
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
             lines.append(json.dumps({"messages": messages}))
