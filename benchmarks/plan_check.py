@@ -22,6 +22,7 @@ Usage: python -m benchmarks.plan_check  (prints the table; `plan_check()` return
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -398,11 +399,20 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    # the FSDP2 shapes' child process (_measure_in_subprocess), not a user's flag
+    parser.add_argument("--measure", choices=[shape.name for shape in SHAPES], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps({"measured_bytes": _measure_here(args.measure)}))
+        return
+    results = plan_check()
+    print(table(results))
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--measure"]:
-        print(json.dumps({"measured_bytes": _measure_here(sys.argv[2])}))
-    else:
-        results = plan_check()
-        print(table(results))
-        if "--json" in sys.argv:
-            print(json.dumps(results, indent=2))
+    main()

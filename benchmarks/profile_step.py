@@ -6,7 +6,7 @@ matrix products: python -m benchmarks.profile_step [smollm2|large]
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -15,6 +15,7 @@ from benchmarks.naive import naive_step
 from benchmarks.train_step import optimized_step
 from trainer.objective import ObjectiveConfig
 
+SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup}
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 
 
@@ -49,10 +50,14 @@ def profile_steps(setup: setups.StepSetup, rows: int = 15) -> dict:
     return report
 
 
-if __name__ == "__main__":
-    chosen = {"smollm2": setups.smollm2_setup, "large": setups.large_setup}[
-        sys.argv[1] if len(sys.argv) > 1 else "smollm2"
-    ]
-    for name, part in profile_steps(chosen()).items():
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("setup", nargs="?", choices=sorted(SETUPS), default="smollm2", help="the step shape")
+    args = parser.parse_args(argv)
+    for name, part in profile_steps(SETUPS[args.setup]()).items():
         print(f"== {name}: {part['total_ms']:.0f} ms, GEMM {part['gemm_ms']:.0f} ms ({part['gemm_share']:.0%})")
         print(part["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-from examples.train import DEFAULT_RECIPE, resolve_path
 from modeling_dflash2 import DFlash2Config
 from trainer.arguments import parse_arguments
 from trainer.cli import run
 from trainer.data import build_datasets, token_datasets
+from trainer.recipe_files import DEFAULT_RECIPE, resolve_path
 from trainer.target import FrozenTarget, TargetTokenizer
 
 REGENERATE_ONLY = "--regenerate-only"

@@ -27,23 +27,13 @@ from trainer.distributed import close_process_group
 from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.preemption import TrainingInterrupted
+from trainer.recipe_files import DEFAULT_RECIPE, resolve_path  # tests import both from here too
 from trainer.target import FrozenTarget, check_target_sharding
 from trainer.trainer import DFlash2Trainer
 from trainer.warm_start import check_init_from, warm_start
 from trainer.watchdog import start_watchdog
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
-
-
-def resolve_path(path: str, what: str = "draft_config") -> Path:
-    """Recipe paths are relative to the working directory, else to the repository root."""
-    candidate = Path(path).expanduser()
-    for found in (candidate, REPO / candidate):
-        if found.is_file():
-            return found
-    raise FileNotFoundError(f"{what}: {path} does not exist (looked in the working directory and in {REPO})")
 
 
 def build_draft(model_args):

@@ -36,9 +36,9 @@ from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2D
 from trainer.arguments import parse_arguments
 from trainer.cli import run
 from trainer.fileio import default_cache_root, require_existing_path
+from trainer.recipe_files import resolve_path
 from trainer.target import PYPI_PREFIX, TargetSource
 
-REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 FP32 = 4
 # CUDA context and kernels (~0.5-1 GiB), NCCL communicators and their buffers, and the caching
@@ -212,19 +212,10 @@ class MemoryPlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_file(path: str, what: str) -> Path:
-    """Recipe paths are relative to the working directory, else to the repository root."""
-    candidate = Path(path).expanduser()
-    for found in (candidate, REPO / candidate):
-        if found.is_file():
-            return found
-    raise FileNotFoundError(f"{what}: {path} does not exist (looked in the working directory and in {REPO})")
-
-
 def load_draft_config(model_args) -> DFlash2Config:
     """The recipe's draft config: `draft_config`, else a DFlash2 `init_from`'s config.json."""
     if model_args.draft_config:
-        return DFlash2Config.from_json_file(resolve_file(model_args.draft_config, "draft_config"))
+        return DFlash2Config.from_json_file(resolve_path(model_args.draft_config, "draft_config"))
     if model_args.init_from:
         config = DFlash2Config.from_pretrained(require_existing_path(model_args.init_from, "init_from"))
         if not config.is_dflash2:
@@ -342,7 +333,7 @@ def check_pair(draft: DraftFacts, target: TargetFacts) -> None:
 
 def read_accelerate_config(path: str) -> dict[str, Any]:
     """An accelerate config file (`accelerate launch --config_file`) as a mapping."""
-    file = resolve_file(path, "--accelerate-config")
+    file = resolve_path(path, "--accelerate-config")
     try:
         config = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as error:

@@ -1,0 +1,151 @@
+"""Every `python examples/...` and `python -m benchmarks...` command the docs show runs as written.
+
+A reader copies these lines from a fresh clone, where only `trainer/` and `modeling_dflash2/` are
+installed (`pip install -e .`) and PYTHONPATH is unset: a script that imports `examples.` or
+`tests.` then dies with ModuleNotFoundError before parsing a flag. Each command runs with `--help`
+appended, so the script imports everything and parses its arguments, then prints its usage and
+exits 0 without doing the work; placeholders (RECIPE, my-recipe.yaml, OUTPUT) need not exist.
+
+`accelerate launch ... examples/train.py` lines are not run: the launcher spawns workers of the
+same `examples/train.py`, whose own `python examples/train.py` lines are covered here, and adds
+nothing a `--help` could check. `make` targets do the work itself and are left to CI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")  # a code span may wrap onto the next prose line
+PREFIXES = ("python examples/", "python -m benchmarks.")
+TIMEOUT_S = 120  # a --help imports torch and transformers: seconds, not minutes
+
+
+def fenced_lines(text: str) -> list[str]:
+    """The lines of every fenced block, a `\\` continuation joined with the line after it."""
+    lines = []
+    for block in FENCE.findall(text):
+        pending = ""
+        for line in block.splitlines():
+            stripped = line.rstrip()
+            if stripped.endswith("\\"):
+                pending += stripped[:-1] + " "
+                continue
+            lines.append(pending + stripped)
+            pending = ""
+        if pending:
+            lines.append(pending)
+    return lines
+
+
+def inline_spans(text: str) -> list[str]:
+    """Inline code spans outside the fenced blocks, a wrapped span joined with a space."""
+    return [" ".join(span.split()) for span in INLINE.findall(FENCE.sub("", text))]
+
+
+def command_argv(line: str) -> list[str] | None:
+    """The argv of a documented command, or None when the line is not one.
+
+    `$ ` prompts and `# comments` go (shlex keeps a `#` inside quotes); optional `[--flag value]`
+    groups are kept with their brackets removed, so every documented flag is parsed; `...` is an
+    elision, not an argument.
+    """
+    try:
+        words = shlex.split(line.strip().removeprefix("$ "), comments=True)
+    except ValueError:  # prose with an unbalanced quote
+        return None
+    if not " ".join(words[:3]).startswith(PREFIXES):
+        return None
+    argv = [word.removeprefix("[").removesuffix("]") for word in words if word != "..."]
+    return [word for word in argv if word]
+
+
+def documented_commands(documents: tuple[Path, ...] = DOCUMENTS) -> list[tuple[str, ...]]:
+    """Every distinct documented command, in document order."""
+    found: dict[tuple[str, ...], None] = {}
+    for document in documents:
+        text = document.read_text()
+        for line in (*fenced_lines(text), *inline_spans(text)):
+            argv = command_argv(line)
+            if argv is not None:
+                found.setdefault(tuple(argv), None)
+    return list(found)
+
+
+def fresh_clone_environment() -> dict[str, str]:
+    """The test process's environment without PYTHONPATH: what a user's shell has."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment["OMP_NUM_THREADS"] = "1"
+    return environment
+
+
+def run_with_help(argv: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """`python` is the test's interpreter (the project's environment); the rest as written."""
+    command = [sys.executable, *argv[1:], "--help"]
+    return subprocess.run(
+        command, cwd=REPO, env=fresh_clone_environment(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+COMMANDS = documented_commands()
+
+
+@cache
+def help_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """All commands at once, one per core: each spends its seconds importing torch."""
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(COMMANDS, pool.map(run_with_help, COMMANDS), strict=True))
+
+
+def test_the_extraction_joins_continuations_and_drops_comments_prompts_and_elisions():
+    text = (
+        "Run `python examples/evaluate.py ... --compare-untrained` or `make demo`, or\n"
+        "`python examples/tau_gap.py --target T\n--draft D`.\n"
+        "```bash\n"
+        "# a comment line\n"
+        "python examples/export.py CKPT OUT \\\n"
+        "    --target T --push-to-hub org/name   # B - 1\n"
+        "$ python -m benchmarks.run --device cuda\n"
+        "python -m trainer.plan RECIPE\n"
+        "accelerate launch --config_file x.yaml examples/train.py my-recipe.yaml\n"
+        "python examples/publish.py OUT org/name [--private] [--revision BRANCH]\n"
+        "vllm serve T --speculative-config '{\"num_speculative_tokens\": 15}  # not a comment'\n"
+        "```\n"
+    )
+    commands = [command_argv(line) for line in (*fenced_lines(text), *inline_spans(text))]
+    assert [argv for argv in commands if argv is not None] == [
+        ["python", "examples/export.py", "CKPT", "OUT", "--target", "T", "--push-to-hub", "org/name"],
+        ["python", "-m", "benchmarks.run", "--device", "cuda"],
+        ["python", "examples/publish.py", "OUT", "org/name", "--private", "--revision", "BRANCH"],
+        ["python", "examples/evaluate.py", "--compare-untrained"],
+        ["python", "examples/tau_gap.py", "--target", "T", "--draft", "D"],
+    ]
+
+
+def test_the_docs_show_the_commands_a_fresh_clone_must_run():
+    """The extraction still finds what the docs show: a README edit or a broken parser would
+    otherwise leave the run below with nothing to check."""
+    scripts = {argv[1] if argv[1] != "-m" else argv[2] for argv in COMMANDS}
+    assert {"examples/train.py", "examples/prepare.py", "examples/export.py", "examples/publish.py"} <= scripts
+    assert {"examples/evaluate.py", "examples/tau_gap.py", "benchmarks.run", "benchmarks.gpu_check"} <= scripts
+    assert ("python", "examples/prepare.py", "my-recipe.yaml", "--regenerate-only") in COMMANDS
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(argv[1:]) for argv in COMMANDS])
+def test_a_documented_command_takes_help_without_pythonpath(argv: tuple[str, ...]):
+    result = help_runs()[argv]
+    assert "ModuleNotFoundError" not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout.lower(), f"--help did not print a usage: {result.stdout[-2000:]}"
