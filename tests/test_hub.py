@@ -227,6 +227,10 @@ TAMPERINGS = {
         lambda f: _edit_tensors(f / "model.safetensors", lambda t: t.update(extra=torch.zeros(1).bfloat16())),
         r"rule 16: .*unexpected \['extra'\]",
     ),
+    "missing-tensor": (
+        lambda f: _edit_tensors(f / "model.safetensors", lambda t: t.pop("norm.weight")),
+        r"rule 16: tensor set differs from the contract: missing \['norm.weight'\], unexpected \[\]",
+    ),
     "truncated-weights": (lambda f: _truncate(f / "model.safetensors"), "not a readable safetensors file"),
     "absurd-block-size": (
         lambda f: _edit_json(f / "config.json", lambda c: c["dflash_config"].update(block_size=1000000)),
@@ -282,6 +286,21 @@ def test_publish_py_refuses_a_tampered_export_before_contacting_the_hub(tmp_path
         refused = run_example("publish.py", hub, tmp_path, str(folder), "org/draft")
         assert refused.returncode != 0
         assert "breaks the public checkpoint contract" in refused.stderr and "rule 9: mask_token_id" in refused.stderr
+        assert hub.state.requests == [] and hub.state.repos == {}
+
+
+def test_publish_py_refuses_an_export_missing_a_tensor_before_contacting_the_hub(tmp_path, exported):
+    """A folder whose weights lost a tensor (a hand-edited or half-copied export) would load with
+    that module freshly initialized: publish.py names it and uploads nothing."""
+    _, folder = exported
+    _edit_tensors(folder / "model.safetensors", lambda tensors: tensors.pop("layers.0.mlp_conv.base_kernel"))
+    with LoopbackHub() as hub:
+        refused = run_example("publish.py", hub, tmp_path, str(folder), "org/draft")
+        assert refused.returncode != 0
+        assert "breaks the public checkpoint contract" in refused.stderr, refused.stderr
+        missing = "rule 16: tensor set differs from the contract: missing ['layers.0.mlp_conv.base_kernel']"
+        assert missing in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
         assert hub.state.requests == [] and hub.state.repos == {}
 
 

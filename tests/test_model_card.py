@@ -137,3 +137,21 @@ def test_recipe_values_from_someone_elses_checkpoint_stay_inert_prose():
     section = card.split("## Training\n", 1)[1].split("## Evaluation", 1)[0]
     assert not re.search(r"(?<!\\)<img|(?<!\\)\]\(http", section)  # no live tag, no live link
     assert "\\<img src=x onerror=alert\\(1\\)\\>" in section and "\\[x\\]\\(http://evil\\)" in section
+
+
+@pytest.mark.parametrize(("block", "vllm_tokens", "sglang_tokens"), [(8, 7, 8), (16, 15, 16)])
+def test_the_serving_commands_draft_exactly_the_trained_block(block, vllm_tokens, sglang_tokens):
+    """vLLM takes the convolution block from 1 + num_speculative_tokens, so a card that printed the
+    config's block size (or anything but B - 1) would serve shifted blocks without an error."""
+    config = {**CONFIG, "dflash_config": {**CONFIG["dflash_config"], "block_size": block}}
+    target = TargetDimensions(name="org/target", hidden_size=576, vocab_size=49152, num_layers=30)
+    card = str(render_model_card(config, target, {"training_arguments": {}}, {}, None))
+    vllm, sglang = (_argv(command) for command in _blocks(card, "bash"))
+    assert json.loads(vllm[vllm.index("--speculative-config") + 1])["num_speculative_tokens"] == vllm_tokens
+    assert sglang[sglang.index("--speculative-num-draft-tokens") + 1] == str(sglang_tokens)
+    prose = " ".join(" ".join(_split(card)[0]).split())
+    assert (
+        f"vLLM's `num_speculative_tokens` must be exactly B − 1 = {vllm_tokens} and SGLang's "
+        f"`--speculative-num-draft-tokens` exactly B = {sglang_tokens}, because vLLM takes the draft's "
+        "convolution block from 1 + `num_speculative_tokens`, not from the config's `block_size`"
+    ) in prose

@@ -210,7 +210,10 @@ SGLang:
 
 {code_block("bash", sglang)}
 
-Serve with the trained block size ({block}); a DFlash2 draft must not draft fewer tokens.
+Serve with the trained block size B = {block}: vLLM's `num_speculative_tokens` must be exactly B − 1 = {block - 1}
+and SGLang's `--speculative-num-draft-tokens` exactly B = {block}, because vLLM takes the draft's
+convolution block from 1 + `num_speculative_tokens`, not from the config's `block_size`, so any
+other value silently shifts the blocks.
 
 ## Speculative decoding in plain transformers
 
