@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo compare bench gpu-check engines-setup test-engines clean
+.PHONY: setup test lint demo compare bench gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,12 @@ $(ENGINE_STAMP): $(ENGINE_PLUGIN)/pyproject.toml $(ENGINE_PLUGIN)/dflash2_vllm_c
 # the real-vLLM tests (tests/engines; about 15 min on 2 CPU cores, mostly server start-ups)
 test-engines: engines-setup
 	DFLASH2_ENGINE_TESTS=1 $(BIN)/python -m pytest tests/engines
+
+# regeneration and feature extraction, in process against a real vLLM server at equal concurrency
+# (SmolLM2, 32 prompts; a few minutes on 2 CPU cores): benchmarks/results/engines.json and its
+# section of docs/results.md
+bench-engines: engines-setup
+	$(BIN)/python -m benchmarks.engines.throughput
 
 RUN := outputs/smollm2-135m-dflash2
 

@@ -1,0 +1,119 @@
+"""benchmarks/results/engines.json -> its section of docs/results.md (between the engines markers).
+
+The docs' numbers come from the JSON only (`python -m benchmarks.engines.render` rewrites the
+section from the committed JSON; the throughput run calls `write_docs` itself), and a test checks
+that the section equals what the committed JSON renders to, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results" / "engines.json"
+DOCS = REPO / "docs" / "results.md"
+BEGIN, END = "<!-- engines:begin -->", "<!-- engines:end -->"
+
+
+def duration(seconds: float) -> str:
+    """`75.4` -> "1 min 15 s"; under a minute, "42.0 s"."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+def runs_table(heading: str, runs: dict[str, dict[str, Any]], tokens_label: str) -> list[str]:
+    lines = [f"| {heading} | seconds | {tokens_label} | tokens/s |", "|---|---:|---:|---:|"]
+    for name, run in runs.items():
+        lines.append(f"| {name} | {run['seconds']:.1f} | {run['tokens']} | {run['tokens_per_second']:.1f} |")
+    return lines
+
+
+def speed_ratio(runs: dict[str, dict[str, Any]]) -> float:
+    """Tokens/s of the second way over the first (vLLM over in process): the one figure of a run
+    that holds across machines' absolute speeds, computed here so the JSON and docs agree."""
+    first, second = list(runs.values())
+    return second["tokens_per_second"] / first["tokens_per_second"]
+
+
+def command_line(server: dict[str, Any]) -> str:
+    """The server's exact command, its environment first, as a shell would take it."""
+    environment = [f"{key}={shlex.quote(str(value))}" for key, value in server["environment"].items()]
+    return " ".join([*environment, shlex.join(server["command"])])
+
+
+def render(result: dict[str, Any]) -> str:
+    """The Markdown of one engines.json (the lines between the markers)."""
+    machine, regeneration, features = result["machine"], result["regeneration"], result["features"]
+    servers = result["servers"]
+    greedy = "greedy" if regeneration["temperature"] == 0 else f"temperature {regeneration['temperature']}"
+    lines = [
+        f"Measured by `make bench-engines` on {machine['cores']} {machine['cpu']} cores (torch {machine['torch']}, "
+        f"{machine['torch_threads']} threads; {machine['vllm']}), target `{result['target']}` in float32, "
+        f"{result['concurrency']} sequences at a time both ways; ratios compare the two ways within this one run.",
+        "",
+        *runs_table(
+            f"regeneration: {regeneration['prompts']} prompts, {regeneration['max_new_tokens']} new tokens, {greedy}",
+            regeneration["runs"],
+            "generated tokens",
+        ),
+        "",
+        f"vLLM / in process: {speed_ratio(regeneration['runs']):.2f}× generated tokens/s; "
+        f"{regeneration['rows_with_equal_tokens']} of {regeneration['prompts']} answers token for token the same.",
+        "",
+        *runs_table(
+            f"features: {features['samples']} samples, layers {features['layer_ids']}", features["runs"], "tokens"
+        ),
+        "",
+        f"vLLM / in process: {speed_ratio(features['runs']):.2f}× tokens/s; largest relative difference "
+        f"of a sample's hidden states: {features['max_relative_error']:.1e}.",
+        "",
+        "Server start-up (not in the timings above): "
+        + ", ".join(f"{name} {duration(server['startup_seconds'])}" for name, server in servers.items())
+        + f"; the whole run {duration(result['total_seconds'])}. The servers' commands:",
+        "",
+        "```bash",
+        *(command_line(server) for server in servers.values()),
+        "```",
+    ]
+    if result.get("note"):  # what the reader must know about this run (e.g. a loaded machine)
+        lines[1:1] = ["", f"Note: {result['note']}"]
+    return "\n".join(lines)
+
+
+def section(text: str) -> str:
+    """What lies between the markers of `text` (a document), without the newlines next to them."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"the document needs one {BEGIN} followed by one {END}")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write_docs(result: dict[str, Any], docs: Path = DOCS) -> str:
+    """Replace the section of `docs` with `render(result)` (temp file + rename); the section."""
+    text = docs.read_text()
+    section(text)  # the markers are there, once each
+    body = render(result)
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    temporary = docs.with_name(f".{docs.name}.{os.getpid()}.tmp")
+    temporary.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    os.replace(temporary, docs)
+    return body
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    args = parser.parse_args(argv)
+    print(write_docs(json.loads(args.results.read_text()), args.docs))
+
+
+if __name__ == "__main__":
+    main()
