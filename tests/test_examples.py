@@ -39,3 +39,35 @@ def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
     draft = train.build_draft(ModelArguments(target="unused", draft_config=str(tmp_path / "v1.json")))
     assert type(draft) is DFlashDraftModel
     assert type(train.build_draft(ModelArguments(target="unused", draft_config=str(DRAFT_CONFIG)))) is DFlash2DraftModel
+
+
+@pytest.mark.parametrize(
+    ("keys", "regenerate_only", "loads"),
+    [
+        ({"regenerate": True}, True, "weights"),  # answers in process
+        ({"regenerate": True, "regenerate_endpoint": "http://e/v1"}, True, "tokenizer"),
+        ({"regenerate": True, "regenerate_endpoint": "http://e/v1", "offline": True}, False, "weights"),  # captures
+        (
+            {
+                "regenerate": True,
+                "regenerate_endpoint": "http://e/v1",
+                "offline": True,
+                "feature_endpoint": "http://f/v1",
+            },
+            False,
+            "tokenizer",
+        ),
+        ({"regenerate": False, "offline": True, "feature_endpoint": "http://f/v1"}, False, "tokenizer"),
+        ({"regenerate": True, "offline": True, "feature_endpoint": "http://f/v1"}, False, "weights"),  # answers here
+    ],
+)
+def test_prepare_loads_the_targets_weights_only_where_it_runs_the_target(monkeypatch, keys, regenerate_only, loads):
+    from types import SimpleNamespace
+
+    from trainer.target import TargetTokenizer
+
+    monkeypatch.setattr(FrozenTarget, "load", classmethod(lambda cls, *a, **k: "weights"))
+    monkeypatch.setattr(TargetTokenizer, "load", classmethod(lambda cls, *a, **k: "tokenizer"))
+    data = SimpleNamespace(**{"regenerate_endpoint": None, "offline": False, "feature_endpoint": None, **keys})
+    model = SimpleNamespace(target="t", target_gguf_file=None, target_dtype="float32")
+    assert prepare.load_target(model, data, regenerate_only) == loads
