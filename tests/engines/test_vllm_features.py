@@ -93,6 +93,7 @@ def test_engine_store_equals_in_process_capture(feature_server, smollm2, tmp_pat
     engine_index, local_index = (json.loads((store / FEATURE_INDEX).read_text()) for store in (engine, local))
     assert engine_index["store"] == local_index["store"]
     errors = relative_errors(tokens, engine, local, store_fingerprint(smollm2, layer_ids, torch.float32, False))
+    print(f"engine features, layers {layer_ids}: max relative error {max(errors):.2e} over {len(errors)} samples")
     assert max(errors) < TOLERANCE, errors
     # the server's files are consumed: at most the last nudge's one-token file is left
     assert len(set(feature_server.storage.glob("*.safetensors")) - before) <= 1
@@ -220,4 +221,6 @@ def test_prepare_then_train_from_engine_features_matches_in_process(feature_serv
     engine_losses, local_losses = training_losses(engine), training_losses(local)
     assert len(engine_losses) == len(local_losses) == 4
     # features equal to ~1e-6 relative give the same losses to well within 1e-4
+    worst = max(abs(a - b) / abs(b) for a, b in zip(engine_losses, local_losses, strict=True))
+    print(f"losses from engine features {engine_losses}, in process {local_losses}: max relative {worst:.2e}")
     assert engine_losses == pytest.approx(local_losses, rel=1e-4), (engine_losses, local_losses)
