@@ -186,3 +186,48 @@ def test_the_first_failing_worker_stops_the_others_and_is_raised_alone():
     with pytest.raises(EndpointError, match=r"^server gone$"):
         asyncio.run(run_workers(worker, 3))
     assert time.monotonic() - began < 2 and len(started) == 3 and finished == []
+
+
+def recipe_keys(**keys):
+    from types import SimpleNamespace
+
+    defaults = {
+        "feature_endpoint": None,
+        "feature_model": None,
+        "offline": True,
+        "feature_concurrency": 16,
+        "feature_timeout": 600.0,
+        "feature_max_retries": 8,
+        "feature_file_timeout": 120.0,
+    }
+    return SimpleNamespace(**{**defaults, **keys})
+
+
+@pytest.mark.parametrize(
+    ("keys", "problem"),
+    [
+        ({"feature_model": "m"}, "feature_model is set but feature_endpoint is not"),
+        ({"feature_endpoint": "http://h/v1", "offline": False}, "feature_endpoint is set but offline is false"),
+        ({"feature_endpoint": "host:8000"}, "feature_endpoint must be an http(s) URL"),
+        ({"feature_endpoint": "http://h/v1", "feature_concurrency": 0}, "feature_concurrency must be >= 1"),
+        ({"feature_endpoint": "http://h/v1", "feature_file_timeout": 0}, "feature_file_timeout must be > 0"),
+    ],
+)
+def test_feature_recipe_keys_are_checked_naming_the_key(keys, problem):
+    from trainer.data import feature_endpoint_settings
+
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        feature_endpoint_settings(recipe_keys(**keys))
+
+
+def test_feature_recipe_keys_become_the_clients_settings():
+    from trainer.data import feature_endpoint_settings
+
+    assert feature_endpoint_settings(recipe_keys()) is None
+    settings = feature_endpoint_settings(recipe_keys(feature_endpoint="http://h/v1", feature_concurrency=3))
+    assert (settings.endpoint.url, settings.endpoint.concurrency, settings.endpoint.key("timeout")) == (
+        "http://h/v1",
+        3,
+        "feature_timeout",
+    )
+    assert settings.file_timeout == 120.0
