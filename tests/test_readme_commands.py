@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+README = REPO / "README.md"
+DOCUMENTS = (README, *sorted(path for path in (REPO / "docs").iterdir() if path.suffix == README.suffix))
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")  # a code span may wrap onto the next prose line
 PREFIXES = ("python examples/", "python -m benchmarks.")
