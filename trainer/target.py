@@ -168,7 +168,21 @@ def _convert_gguf(source: TargetSource, dtype: torch.dtype, converted: Path) -> 
     write_directory_atomically(converted, write)
 
 
-class TargetTokenizer:
+class TargetSizes:
+    """The target's depth and width, from its text config (weights loaded or not)."""
+
+    text_config: PretrainedConfig
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+
+class TargetTokenizer(TargetSizes):
     """The target's tokenizer and cache identity without its weights: all that regenerating through
     an endpoint needs (a 70B target's weights stay on the serving machines). Its fingerprint is the
     loaded target's, so the answers it caches are the ones training finds."""
@@ -185,21 +199,13 @@ class TargetTokenizer:
     def text_config(self) -> PretrainedConfig:
         return self.source.text_config()
 
-    @property
-    def num_layers(self) -> int:
-        return self.text_config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
-
     @classmethod
     def load(cls, target: str, gguf_file: str | None = None) -> TargetTokenizer:
         source = TargetSource.parse(target, gguf_file)
         return cls(AutoTokenizer.from_pretrained(source.name_or_path, **source.load_kwargs), source)
 
 
-class FrozenTarget:
+class FrozenTarget(TargetSizes):
     """A causal LM held frozen and in eval mode; never trained, never saved with the draft."""
 
     def __init__(
@@ -258,14 +264,6 @@ class FrozenTarget:
     @property
     def text_config(self):
         return self.model.config.get_text_config()
-
-    @property
-    def num_layers(self) -> int:
-        return self.text_config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
 
     @property
     def device(self) -> torch.device:
