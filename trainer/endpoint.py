@@ -86,8 +86,8 @@ class EndpointClient:
         self.settings = settings
         self.base = settings.url.rstrip("/")
         self.model: str | None = settings.model
-        self.name = settings.key("endpoint")
-        self.probe_reply: dict[str, Any] = {}  # how messages name it: regenerate_endpoint or feature_endpoint
+        self.name = settings.key("endpoint")  # how messages name it: regenerate_endpoint or feature_endpoint
+        self.probe_reply: dict[str, Any] = {}  # the probe's whole body (set by checked_model)
         headers = {}
         api_key = os.environ.get(API_KEY_VARIABLE) or os.environ.get("OPENAI_API_KEY")
         if api_key:
