@@ -60,7 +60,7 @@ from trainer.feature_store import (
     feature_store_path,
     store_fingerprint,
 )
-from trainer.fileio import check_safetensors_file, fsync_path, write_file_atomically
+from trainer.fileio import check_safetensors_file, fsync_path, reporting_disk_full, write_file_atomically
 from trainer.locks import lock_cache_entry
 from trainer.target import TargetTokenizer
 
@@ -167,13 +167,14 @@ def prepare_engine_features(
         done = {sample for shard in shards for sample in shard["samples"]}
         progress_file = staging / PROGRESS_FILE
 
+        kept = f"the finished shards are kept in {staging}: free space, then rerun to resume"
+
         def journal(shard: dict[str, Any]) -> None:
-            with progress_file.open("a") as file:
+            with reporting_disk_full("feature store", path, kept), progress_file.open("a") as file:
                 file.write(json.dumps(shard) + "\n")
                 file.flush()
                 os.fsync(file.fileno())
 
-        kept = f"the finished shards are kept in {staging}: free space, then rerun to resume"
         writer = ShardWriter(staging, path, len(dataset), shard_samples, shards, journal, kept)
         rows = [row for row in range(len(dataset)) if row not in done]
         logger.info(
@@ -192,7 +193,8 @@ def prepare_engine_features(
             ) from None
         writer.flush()
         index = writer.index(store_fingerprint(target, layer_ids, dtype, False))
-        write_file_atomically(staging / FEATURE_INDEX, lambda temporary: temporary.write_text(json.dumps(index)))
+        with reporting_disk_full("feature store", path, kept):
+            write_file_atomically(staging / FEATURE_INDEX, lambda temporary: temporary.write_text(json.dumps(index)))
         progress_file.unlink()
         fsync_path(staging)
         os.replace(staging, path)
@@ -247,9 +249,7 @@ class _Nudger:
                 return
             body = await self.client.completion_of_ids(self.prompt, max_tokens=1)
             self._last = time.monotonic()
-            path = hidden_states_path(body, self.client.name)
-            if path:
-                self.files.append(path)
+            self.files.append(hidden_states_path(body, self.client.name))
 
     def remove_files(self) -> None:
         """Remove the nudges' files that are written (the last one is written at the server's next step)."""
