@@ -218,24 +218,13 @@ class EndpointClient:
             payload["seed"] = seed
         if self.settings.chat_template_kwargs:
             payload["chat_template_kwargs"] = self.settings.chat_template_kwargs
-        response = await self._request("POST", "/chat/completions", payload)
-        if response.status_code in REFUSED_STATUSES:
-            raise EndpointRefusal(response.status_code, response.text[:300])
-        if response.status_code != 200:
-            raise EndpointError(
-                f"{self.base}/chat/completions answered HTTP {response.status_code}: {response.text[:300]}"
-            )
-        body = json_body(response, f"{self.base}/chat/completions")
-        if not isinstance(body, dict):
-            raise EndpointError(f"{self.base}/chat/completions answered {type(body).__name__} JSON, not an object")
-        return body
+        return await self._post_object("/chat/completions", payload)
 
-    async def completion_of_ids(self, prompt_ids: list[int], *, max_tokens: int) -> dict[str, Any]:
-        """A greedy completion of token ids (no chat template): the body, with the engine's extra
-        fields such as vLLM's `kv_transfer_params`. A refused request raises EndpointRefusal."""
-        payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
-        response = await self._request("POST", "/completions", payload)
-        url = f"{self.base}/completions"
+    async def _post_object(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST `payload` (retried as `_request` does) and return the JSON object answered; a
+        refused request raises EndpointRefusal, any other failure an EndpointError naming the URL."""
+        response = await self._request("POST", path, payload)
+        url = f"{self.base}{path}"
         if response.status_code in REFUSED_STATUSES:
             raise EndpointRefusal(response.status_code, response.text[:300])
         if response.status_code != 200:
@@ -244,6 +233,12 @@ class EndpointClient:
         if not isinstance(body, dict):
             raise EndpointError(f"{url} answered {type(body).__name__} JSON, not an object")
         return body
+
+    async def completion_of_ids(self, prompt_ids: list[int], *, max_tokens: int) -> dict[str, Any]:
+        """A greedy completion of token ids (no chat template): the body, with the engine's extra
+        fields such as vLLM's `kv_transfer_params`. A refused request raises EndpointRefusal."""
+        payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
+        return await self._post_object("/completions", payload)
 
     async def answer(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
         """The target's answer to `messages` (the server templates them)."""
