@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.train_step import synchronize
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_DRAFT = REPO / "hub_configs" / "smollm2-135m-dflash2.json"

@@ -17,8 +17,8 @@ from torch._dynamo.utils import counters
 
 from benchmarks import setups
 from benchmarks.train_step import optimized_step, synchronize
-from trainer.compile import compile_decoder_layers
-from trainer.objective import ObjectiveConfig
+from trainer.models.compile import compile_decoder_layers
+from trainer.objective.loss import ObjectiveConfig
 
 LENGTH_OFFSETS = (0, -8, 8, -16, 0, 4)  # packed lengths around the setup's, as batches vary
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.setups import StepSetup, SyntheticBatch
-from trainer.masks import attention_masks
+from trainer.objective.masks import attention_masks
 
 
 @dataclass

@@ -8,7 +8,7 @@ cannot take the others down; unused time carries over to the next phase):
 3. `benchmark:<setup>` for the SmolLM2 step and a large (Qwen3-vocabulary) step with few anchors:
    s/step, supervised tok/s, MFU (bf16 autocast, flex_attention), the ATen op count
    (`benchmarks.op_count`), CUDA kernels launched by one step, and the allocator peak of one
-   trainer-like step (AdamW) against `trainer.plan`'s prediction for the same shape.
+   trainer-like step (AdamW) against `trainer.plan.memory`'s prediction for the same shape.
 
 Writes `benchmarks/results/cuda.json` (or `--output`), prints a Markdown summary, and exits 1 if any
 check failed (the JSON is written first). `--dry-run` (any machine, no device used) imports what the
@@ -44,6 +44,7 @@ import torch
 
 from benchmarks import setups
 from benchmarks.setups import StepSetup
+from trainer.cli import command_parser
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -68,11 +69,11 @@ GPU_MODULES = (
     "torch.distributed.fsdp",
     "torch.nn.attention.flex_attention",
     "torch.profiler",
-    "trainer.arguments",
-    "trainer.masks",
-    "trainer.objective",
-    "trainer.plan",
-    "trainer.speculative",
+    "trainer.training.arguments",
+    "trainer.objective.masks",
+    "trainer.objective.loss",
+    "trainer.plan.memory",
+    "trainer.evaluation.speculative",
     "transformers.integrations.flex_attention",
 )
 
@@ -266,7 +267,7 @@ def count_cuda_kernels(setup: StepSetup) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.train_step import optimized_step
-    from trainer.objective import ObjectiveConfig
+    from trainer.objective.loss import ObjectiveConfig
 
     draft = setups.make_draft(setup, "cuda", attn_implementation=GPU_ATTENTION).train()
     batch = setups.synthetic_batch(setup, "cuda")
@@ -329,10 +330,10 @@ NOT_COMPARED = ("target_weights", "other")
 def plan_step(
     setup: StepSetup, attention: str = GPU_ATTENTION, gpu_memory_bytes: int = PLANNED_GPU_MEMORY_BYTES
 ) -> dict[str, Any]:
-    """`trainer.plan.plan_run` for a recipe equivalent to the benchmark step, bf16 mixed precision
+    """`trainer.plan.memory.plan_run` for a recipe equivalent to the benchmark step, bf16 mixed precision
     (autocast over fp32 weights, as accelerate runs it without FSDP), one CUDA rank."""
-    from trainer.arguments import parse_arguments
-    from trainer.plan import plan_run
+    from trainer.plan.memory import plan_run
+    from trainer.training.arguments import parse_arguments
 
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
@@ -365,7 +366,7 @@ def measure_step_memory(setup: StepSetup) -> dict[str, Any]:
     step that created the optimizer states and compiled flex_attention. Measured = peak minus what
     was allocated before the step's objects existed, minus the target embedding and head."""
     from benchmarks.train_step import optimized_step
-    from trainer.objective import ObjectiveConfig
+    from trainer.objective.loss import ObjectiveConfig
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -656,15 +657,8 @@ def summary(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises (one `error:` line through trainer.cli.run) instead of printing usage."""
-
-    def error(self, message: str):
-        raise ValueError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = command_parser("python -m benchmarks.gpu_check", __doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="plan everything, use no device (any machine)")
     parser.add_argument("--output", default=None, help=f"where the JSON goes (default {DEFAULT_OUTPUT}; dry run: none)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_BUDGET_S, help="budget of the whole GPU run")

@@ -23,8 +23,8 @@ import torch
 
 from benchmarks import setups
 from benchmarks.naive import naive_loss
-from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.objective import ObjectiveConfig, dflash_loss
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.objective.loss import ObjectiveConfig, dflash_loss
 
 # glibc raises its mmap threshold after large frees and then serves big blocks from a heap it
 # rarely returns, so RSS would track allocator history rather than live tensors; a fixed threshold

@@ -5,7 +5,7 @@
 - the LM head produces the full, unchunked logits of every draft position, without checkpointing;
 - distillation forms the target's logits at every context position, then picks each slot's row.
 
-It computes the same loss as `trainer.objective` (the benchmark checks it), just the obvious way.
+It computes the same loss as `trainer.objective.loss` (the benchmark checks it), just the obvious way.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import contextlib
 import torch
 
 import modeling_dflash2.modeling_dflash2 as modeling
-from trainer.masks import attention_masks
-from trainer.objective import ObjectiveConfig, decay_weights, embed_draft_ids
+from trainer.objective.loss import ObjectiveConfig, decay_weights, embed_draft_ids
+from trainer.objective.masks import attention_masks
 
 _fast_conv = modeling.grouped_dynamic_causal_conv
 

@@ -4,7 +4,7 @@ On a GPU every op is at least one kernel launch (~5-10 us of launch overhead eac
 bounds the step time from below whatever the shapes. Counted as the profiler's `aten::` events,
 nested ones included (a composite op and the ops it dispatches to), over one step after a warm-up:
 `draft_forward` is the draft's layers (and the batch preparation of `draft_objective`),
-`objective` the LM head, losses and metrics (`trainer.objective.OBJECTIVE_LABEL`), `backward`
+`objective` the LM head, losses and metrics (`trainer.objective.loss.OBJECTIVE_LABEL`), `backward`
 everything `loss.backward()` runs.
 """
 
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import setups
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
-from trainer.objective import OBJECTIVE_LABEL, ObjectiveConfig
+from trainer.objective.loss import OBJECTIVE_LABEL, ObjectiveConfig
 
 STEP_LABEL = "benchmark::step"
 BACKWARD_LABEL = "benchmark::backward"

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from trainer.chat import end_of_turn_ids
+from trainer.data.chat import end_of_turn_ids
 
 
 class LoopbackOpenAI:

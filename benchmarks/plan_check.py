@@ -1,7 +1,7 @@
-"""The memory planner (`trainer.plan`) against a measured training step, on CPU.
+"""The memory planner (`trainer.plan.memory`) against a measured training step, on CPU.
 
 Each shape is a small recipe (a config-only Qwen3 target, a DFlash2 draft, offline fp32 features)
-that `trainer.plan.plan_run` plans, and that is then run for real: one step to create the AdamW
+that `trainer.plan.memory.plan_run` plans, and that is then run for real: one step to create the AdamW
 states, then one measured step exactly as the trainer runs it (anchors, blocks, masks, draft
 forward with the objective inside, backward, gradient clipping, optimizer step, zero_grad).
 Three precision regimes: fp32; bf16 autocast over fp32 weights (what accelerate does without
@@ -41,11 +41,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from benchmarks.setups import step_recipe_flags
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from trainer.arguments import parse_arguments
-from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.objective import configure_selector_training, draft_objective, loss_denominator
-from trainer.plan import GIB, plan_run
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.objective.loss import configure_selector_training, draft_objective, loss_denominator
+from trainer.plan.memory import GIB, plan_run
+from trainer.training.arguments import parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 4

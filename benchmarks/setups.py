@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
-from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from trainer.chat import end_of_turn_ids
-from trainer.evaluation import evaluate_paths
-from trainer.loading import load_draft
-from trainer.regeneration import prompt_conversation
-from trainer.target import FrozenTarget
+from trainer.data.chat import end_of_turn_ids
+from trainer.data.regeneration import prompt_conversation
+from trainer.evaluation.report import evaluate_paths
+from trainer.models.loading import load_draft
+from trainer.models.target import FrozenTarget
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = (

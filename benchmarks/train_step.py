@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from benchmarks.flops import step_flops
 from benchmarks.naive import naive_step
 from benchmarks.setups import StepSetup, SyntheticBatch, make_draft, synthetic_batch
-from trainer.objective import ObjectiveConfig, draft_objective
+from trainer.objective.loss import ObjectiveConfig, draft_objective
 
 
 def synchronize(device: str) -> None:

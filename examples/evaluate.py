@@ -26,20 +26,26 @@ from typing import Any
 
 import torch
 
-from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.evaluation import default_report_folder, evaluate_paths, plot_report, render_markdown, training_summary
-from trainer.fileio import write_file_atomically
-from trainer.hub_ids import check_hub_id_if_remote
-from trainer.loading import DRAFT_CLASSES, load_draft
-from trainer.prompt_sets import (
+from trainer.data.chat import end_of_turn_ids
+from trainer.evaluation.prompt_sets import (
     BENCHMARKS,
     DEFAULT_MAX_PROMPT_LENGTH,
     DEFAULT_MAX_SAMPLES,
     benchmark_texts,
     select_prompts,
 )
-from trainer.target import FrozenTarget
+from trainer.evaluation.report import (
+    default_report_folder,
+    evaluate_paths,
+    plot_report,
+    render_markdown,
+    training_summary,
+)
+from trainer.fileio import write_file_atomically
+from trainer.models.loading import DRAFT_CLASSES, load_draft
+from trainer.models.target import FrozenTarget
+from trainer.publishing.hub_ids import check_hub_id_if_remote
 
 REPORT = "speculative_report"
 logger = logging.getLogger(__name__)

@@ -20,10 +20,16 @@ from pathlib import Path
 import torch
 
 from trainer.cli import run
-from trainer.config_bounds import MAX_CONFIG_BYTES, read_config_file
-from trainer.export import TargetDimensions, check_export_output, export_draft, load_trained_draft, training_record
-from trainer.hub import PublishError, publish, publish_command
-from trainer.hub_ids import check_hub_id, check_hub_id_if_remote
+from trainer.models.config_bounds import MAX_CONFIG_BYTES, read_config_file
+from trainer.publishing.export import (
+    TargetDimensions,
+    check_export_output,
+    export_draft,
+    load_trained_draft,
+    training_record,
+)
+from trainer.publishing.hub import PublishError, publish, publish_command
+from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 
 REPORT_LIMIT = 16 * MAX_CONFIG_BYTES  # a speculative_report.json is a few KiB
 

@@ -18,11 +18,11 @@ import sys
 import torch
 
 from modeling_dflash2 import DFlash2Config
-from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.data import build_datasets, token_datasets
-from trainer.recipe_files import DEFAULT_RECIPE, resolve_path
-from trainer.target import FrozenTarget, TargetTokenizer
+from trainer.data.dataset import build_datasets, token_datasets
+from trainer.models.target import FrozenTarget, TargetTokenizer
+from trainer.training.arguments import parse_arguments
+from trainer.training.recipe_files import DEFAULT_RECIPE, resolve_path
 
 REGENERATE_ONLY = "--regenerate-only"
 

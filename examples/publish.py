@@ -15,7 +15,7 @@ import logging
 from huggingface_hub import CommitInfo
 
 from trainer.cli import run
-from trainer.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish, publish_command
+from trainer.publishing.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish, publish_command
 
 
 def main(argv: list[str] | None = None) -> CommitInfo:

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from trainer.chat import end_of_turn_ids
 from trainer.cli import run
-from trainer.evaluation import default_report_folder, training_summary
+from trainer.data.chat import end_of_turn_ids
+from trainer.evaluation.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
+from trainer.evaluation.report import default_report_folder, training_summary
+from trainer.evaluation.tau_gap import PATH_MODES, render_table, tau_gap_report
 from trainer.fileio import write_file_atomically
-from trainer.loading import DRAFT_CLASSES, load_draft
-from trainer.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
-from trainer.target import FrozenTarget
-from trainer.tau_gap import PATH_MODES, render_table, tau_gap_report
+from trainer.models.loading import DRAFT_CLASSES, load_draft
+from trainer.models.target import FrozenTarget
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

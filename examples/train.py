@@ -19,19 +19,19 @@ import torch
 import transformers
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
-from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.config_bounds import FLOAT32_BYTES, check_draft_config, read_config_file
-from trainer.data import DFlashCollator, build_datasets
-from trainer.distributed import close_process_group
+from trainer.data.dataset import DFlashCollator, build_datasets
 from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.preemption import TrainingInterrupted
-from trainer.recipe_files import DEFAULT_RECIPE, resolve_path  # tests import both from here too
-from trainer.target import FrozenTarget, check_target_sharding
-from trainer.trainer import DFlash2Trainer
-from trainer.warm_start import check_init_from, warm_start
-from trainer.watchdog import start_watchdog
+from trainer.models.config_bounds import FLOAT32_BYTES, check_draft_config, read_config_file
+from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.models.warm_start import check_init_from, warm_start
+from trainer.training.arguments import parse_arguments
+from trainer.training.distributed import close_process_group
+from trainer.training.preemption import TrainingInterrupted
+from trainer.training.recipe_files import DEFAULT_RECIPE, resolve_path  # tests import both from here too
+from trainer.training.trainer import DFlash2Trainer
+from trainer.training.watchdog import start_watchdog
 
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dflash2-hub authors. Shipped inside every exported checkpoint under this licence.
 """DFlash / DFlash2 draft models (the code also shipped inside every checkpoint)."""
 
 from .configuration_dflash2 import DFlash2Config, DFlashSettings, resolve_dflash_settings

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dflash2-hub authors. Shipped inside every exported checkpoint under this licence.
 """Configuration of DFlash (v1) and DFlash2 draft models in the public z-lab layout.
 
 Published drafts are `model_type: "qwen3"` configs whose DFlash fields live in a nested

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The dflash2-hub authors. Shipped inside every exported checkpoint under this licence.
 """DFlash (v1) and DFlash2 draft models: the training model and the code shipped in checkpoints.
 
 A draft predicts a block `[anchor, mask, ..., mask]` in one pass. Its queries are the block tokens

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from modeling_dflash2 import DFlash2Config
-from trainer.arguments import DFlashTrainingArguments, parse_arguments
+from trainer.training.arguments import DFlashTrainingArguments, parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 

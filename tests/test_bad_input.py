@@ -23,9 +23,9 @@ from examples import evaluate, export, prepare, publish, train
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.checkpoints import write_manifest
 from trainer.cli import run
 from trainer.locks import FolderLock, lock_run_folder
+from trainer.training.checkpoints import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"train": train, "prepare": prepare, "export": export, "publish": publish, "evaluate": evaluate}
@@ -145,9 +145,9 @@ def scaled_feature_store(base: Path, where: Path) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from trainer.arguments import DataArguments
-    from trainer.data import build_datasets
-    from trainer.target import FrozenTarget
+    from trainer.data.dataset import build_datasets
+    from trainer.models.target import FrozenTarget
+    from trainer.training.arguments import DataArguments
 
     path = recipe(base, where, offline=True, disable_tqdm=True)  # (the error comes mid-training: no bar before it)
     values = yaml.safe_load(Path(path).read_text())

@@ -16,8 +16,8 @@ from benchmarks.naive import naive_step
 from benchmarks.op_count import count_step_ops
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
-from trainer.masks import attention_masks
-from trainer.objective import ObjectiveConfig, embed_draft_ids
+from trainer.objective.loss import ObjectiveConfig, embed_draft_ids
+from trainer.objective.masks import attention_masks
 
 
 def test_flop_count_of_the_draft_layers_matches_torch_flop_counter():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.blocks import AnchorDraw, build_blocks, sample_anchors, valid_anchor_mask
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors, valid_anchor_mask
 
 
 def test_valid_anchors_need_two_adjacent_supervised_tokens():

@@ -1,4 +1,4 @@
-"""trainer.checkpoints: completeness, choosing a resume point, recovery, rotation, vetted pickles."""
+"""trainer.training.checkpoints: completeness, choosing a resume point, recovery, rotation, vetted pickles."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoints import (
+from trainer.training.checkpoints import (
     MANIFEST,
     IncompleteCheckpointError,
     check_resumable,
@@ -58,7 +58,7 @@ def test_resume_true_takes_the_newest_complete_checkpoint_and_names_the_skipped(
     fake_checkpoint(tmp_path / "checkpoint-10", 10, manifest=False)  # numeric, not lexical, order
     broken = fake_checkpoint(tmp_path / "checkpoint-6", 6)
     (broken / "model.safetensors").write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.checkpoints"):
         assert newest_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
     assert f"Skipping incomplete checkpoint {tmp_path / 'checkpoint-10'}: no {MANIFEST}" in caplog.text
     assert "checkpoint-6: model.safetensors has 0 bytes, the manifest says 106" in caplog.text
@@ -74,7 +74,7 @@ def test_an_explicit_checkpoint_is_checked_before_use(tmp_path, caplog):
     ):
         check_resumable(complete)
     legacy = fake_checkpoint(tmp_path / "checkpoint-3", 3, manifest=False)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.checkpoints"):
         check_resumable(legacy)  # written before manifests: accepted when named, with a warning
     assert "resuming without a completeness check" in caplog.text
     (legacy / "trainer_state.json").unlink()
@@ -116,7 +116,7 @@ def test_rotation_keeps_the_newest_and_the_protected_and_hides_victims_first(tmp
         deleted_names.append(Path(path).name)
         real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr("trainer.checkpoints.shutil.rmtree", rmtree)
+    monkeypatch.setattr("trainer.training.checkpoints.shutil.rmtree", rmtree)
     victims = rotate(tmp_path, keep=2, protected=[tmp_path / "checkpoint-2"])
     assert [p.name for p in victims] == ["checkpoint-4", "checkpoint-6"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-8"]

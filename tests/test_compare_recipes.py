@@ -10,7 +10,7 @@ import pytest
 
 from examples import compare_recipes
 from modeling_dflash2 import DFlash2Config, DFlashDraftModel
-from trainer.arguments import parse_arguments
+from trainer.training.arguments import parse_arguments
 
 
 def test_v1_config_is_the_same_draft_without_conv_and_selector():

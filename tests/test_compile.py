@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from modeling_dflash2 import DFlash2DecoderLayer, DFlash2DraftModel
 from tests.test_trainer import dataset, make_trainer, target  # noqa: F401  (fixtures)
-from trainer.compile import compile_decoder_layers
+from trainer.models.compile import compile_decoder_layers
 
 
 def test_compiled_training_logs_the_eager_losses_and_keeps_parameter_names(target, dataset, tmp_path):  # noqa: F811

@@ -1,4 +1,4 @@
-"""trainer.configure: draft configs for any target, checked against the contract and hub_configs/.
+"""trainer.plan.configure: draft configs for any target, checked against the contract and hub_configs/.
 
 The fixtures in tests/fixtures/target_configs are the public config.json files of the targets
 (Llama-3.1-8B-Instruct, Qwen3-8B, Qwen3-30B-A3B, SmolLM2-135M-Instruct, gpt-oss-20b) and, for
@@ -18,12 +18,12 @@ from transformers import PreTrainedTokenizerFast
 
 from modeling_dflash2 import DFlash2Config
 from tests.tiny_target import tiny_tokenizer
-from trainer import configure
-from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.configure import choose_mask_token, main, target_layer_ids
-from trainer.export import TargetDimensions, config_violations
-from trainer.target import TargetSource
+from trainer.models.target import TargetSource
+from trainer.plan import configure
+from trainer.plan.configure import choose_mask_token, main, target_layer_ids
+from trainer.publishing.export import TargetDimensions, config_violations
+from trainer.training.arguments import parse_arguments
 
 FIXTURES = Path(__file__).parent / "fixtures" / "target_configs"
 HUB_CONFIGS = Path(__file__).resolve().parents[1] / "hub_configs"

@@ -23,10 +23,10 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.test_speculative import OracleProposals
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.masks import attention_masks
-from trainer.objective import ObjectiveConfig, embed_draft_ids
-from trainer.speculative import spec_generate, target_generate
+from trainer.evaluation.speculative import spec_generate, target_generate
+from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.objective.loss import ObjectiveConfig, embed_draft_ids
+from trainer.objective.masks import attention_masks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

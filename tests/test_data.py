@@ -1,4 +1,4 @@
-"""trainer.data: chat templating and loss masks, regenerated responses, offline features, collation."""
+"""trainer.data.dataset: chat templating and loss masks, regenerated responses, offline features, collation."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import yaml
 
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_conversations, tiny_target
-from trainer import data as data_module
-from trainer import regeneration as regeneration_module
-from trainer.arguments import DataArguments
-from trainer.chat import tokenize_chat
-from trainer.data import DFlashCollator, build_datasets, truncate_and_filter
-from trainer.feature_store import OfflineDataset, prepare_features
-from trainer.regeneration import GenerationSettings, prompt_conversation, regenerate
+from trainer.data import dataset as data_module
+from trainer.data import regeneration as regeneration_module
+from trainer.data.chat import tokenize_chat
+from trainer.data.dataset import DFlashCollator, build_datasets, truncate_and_filter
+from trainer.data.feature_store import OfflineDataset, prepare_features
+from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
+from trainer.training.arguments import DataArguments
 
 TWO_TURNS = [
     {"role": "user", "content": "hi"},

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.checkpoints import MANIFEST, checkpoint_problems
-from trainer.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
 from trainer.locks import RUN_LOCK_NAME
-from trainer.watchdog import LOST_RANK_STATUS
+from trainer.training.checkpoints import MANIFEST, checkpoint_problems
+from trainer.training.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
+from trainer.training.watchdog import LOST_RANK_STATUS
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
@@ -169,7 +169,7 @@ def test_close_process_group_frees_the_wrapper_before_destroying_the_group(singl
     trainer.model, trainer.model_wrapped, trainer.accelerator = module, wrapper, accelerator
     del wrapper
     assert live_ddp_wrappers() == 1
-    with caplog.at_level(logging.WARNING, logger="trainer.distributed"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.distributed"):
         close_process_group(trainer)
     assert accelerator.barriers == 1 and accelerator._models == []
     assert trainer.model_wrapped is module
@@ -183,7 +183,7 @@ def test_close_process_group_warns_when_a_wrapper_is_still_referenced(single_ran
     module, wrapper = single_rank_ddp
     trainer = type("TrainerLike", (), {})()
     trainer.model, trainer.model_wrapped, trainer.accelerator = module, wrapper, RecordingAccelerator([wrapper])
-    with caplog.at_level(logging.WARNING, logger="trainer.distributed"):
+    with caplog.at_level(logging.WARNING, logger="trainer.training.distributed"):
         close_process_group(trainer)  # `wrapper` is still held by this test
     assert LEAKED_WRAPPER_WARNING in caplog.text
     assert not torch.distributed.is_initialized()
@@ -213,7 +213,7 @@ def logged_losses(log_history: list[dict]) -> list[tuple[str, float]]:
     return [(key, log[key]) for log in log_history for key in keys if key in log]
 
 
-# -- a rank that stops or dies mid-training (trainer.watchdog) --------------------------------------
+# -- a rank that stops or dies mid-training (trainer.training.watchdog) --------------------------------------
 
 STALL_TIMEOUT_S = 5
 

@@ -43,3 +43,14 @@ def test_the_guide_links_resolve():
     guide = REPO / "docs" / "your-own-target.md"
     for link in re.findall(r"\]\(([^)#]+)\)", guide.read_text()):
         assert (guide.parent / link).is_file(), link
+
+
+def test_the_licence_file_is_the_one_setup_cfg_and_the_shipped_code_declare():
+    """setup.cfg says Apache-2.0; LICENSE must be that licence and each shipped modeling file say so."""
+    assert "license = Apache-2.0" in (REPO / "setup.cfg").read_text()
+    licence = (REPO / "LICENSE").read_text()
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence
+    shipped = sorted((REPO / "modeling_dflash2").glob("*.py"))
+    assert len(shipped) == 3
+    for module in shipped:
+        assert module.read_text().startswith("# SPDX-License-Identifier: Apache-2.0\n"), module.name

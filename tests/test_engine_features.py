@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.endpoint import EndpointError, run_workers
-from trainer.engine_features import (
+from trainer.data.endpoint import EndpointError, run_workers
+from trainer.data.engine_features import (
     PROGRESS_FILE,
     _recovered_shards,
     check_engine_layers,
@@ -28,7 +28,7 @@ from trainer.engine_features import (
     engine_layer_ids,
     read_hidden_states,
 )
-from trainer.feature_store import ShardWriter
+from trainer.data.feature_store import ShardWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,14 +214,14 @@ def recipe_keys(**keys):
     ],
 )
 def test_feature_recipe_keys_are_checked_naming_the_key(keys, problem):
-    from trainer.data import feature_endpoint_settings
+    from trainer.data.dataset import feature_endpoint_settings
 
     with pytest.raises(ValueError, match=re.escape(problem)):
         feature_endpoint_settings(recipe_keys(**keys))
 
 
 def test_feature_recipe_keys_become_the_clients_settings():
-    from trainer.data import feature_endpoint_settings
+    from trainer.data.dataset import feature_endpoint_settings
 
     assert feature_endpoint_settings(recipe_keys()) is None
     settings = feature_endpoint_settings(recipe_keys(feature_endpoint="http://h/v1", feature_concurrency=3))

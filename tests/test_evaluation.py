@@ -14,8 +14,8 @@ from tests.conftest import randomize
 from tests.test_trainer import make_trainer
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.cli import run
-from trainer.evaluation import evaluate_paths, prompt_ids, render_markdown, summarize, training_summary
-from trainer.speculative import SpeculativeResult
+from trainer.evaluation.report import evaluate_paths, prompt_ids, render_markdown, summarize, training_summary
+from trainer.evaluation.speculative import SpeculativeResult
 
 
 def test_summary_by_hand():
@@ -262,7 +262,7 @@ def _evaluate(saved: Path, draft: Path, tmp_path: Path, *flags: str) -> dict:
 def test_evaluating_an_export_leaves_it_byte_identical(saved, tmp_path, monkeypatch):
     """A downloaded or exported draft stays exactly as it was published: the report goes to
     outputs/evaluate/<draft name>/<benchmark>, or where --output says."""
-    from trainer.export import TargetDimensions, export_draft
+    from trainer.publishing.export import TargetDimensions, export_draft
 
     monkeypatch.chdir(tmp_path)
     draft = DFlash2DraftModel.from_pretrained(saved / "draft")

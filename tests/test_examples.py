@@ -8,7 +8,7 @@ import pytest
 
 from examples import prepare, train
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
 
 
 @pytest.mark.parametrize("objective", [{}, {"kd_weight": 0.5}], ids=["ce", "distillation"])
@@ -33,7 +33,7 @@ def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
     class (a DFlash2 class would give it identity convs and a no-op selector it never had)."""
     from examples.compare_recipes import DRAFT_CONFIG, v1_config
     from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
-    from trainer.arguments import ModelArguments
+    from trainer.training.arguments import ModelArguments
 
     (tmp_path / "v1.json").write_text(json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text()))))
     draft = train.build_draft(ModelArguments(target="unused", draft_config=str(tmp_path / "v1.json")))
@@ -64,7 +64,7 @@ def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
 def test_prepare_loads_the_targets_weights_only_where_it_runs_the_target(monkeypatch, keys, regenerate_only, loads):
     from types import SimpleNamespace
 
-    from trainer.target import TargetTokenizer
+    from trainer.models.target import TargetTokenizer
 
     monkeypatch.setattr(FrozenTarget, "load", classmethod(lambda cls, *a, **k: "weights"))
     monkeypatch.setattr(TargetTokenizer, "load", classmethod(lambda cls, *a, **k: "tokenizer"))

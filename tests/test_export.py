@@ -19,8 +19,8 @@ from transformers import AutoModel
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.evaluation import render_markdown
-from trainer.export import (
+from trainer.evaluation.report import render_markdown
+from trainer.publishing.export import (
     EXPORT_FILES,
     PLOT_FILE,
     RECIPE_FILE,
@@ -32,7 +32,7 @@ from trainer.export import (
     public_config,
     training_record,
 )
-from trainer.model_card import per_position_series
+from trainer.publishing.model_card import per_position_series
 
 TARGET = TargetDimensions(name="org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)
 
@@ -100,6 +100,10 @@ def test_export_writes_exactly_the_public_folder(tmp_path, target, draft):
     provenance = (out / "dflash2_provenance.json").read_text()
     assert "hf_secret_token" not in provenance and '"learning_rate": 0.001' in provenance
     assert json.loads(provenance)["serving"]["vllm"]["num_speculative_tokens"] == 3
+    # the code copied into the checkpoint carries its licence, the same one the card declares
+    for code_file in ("configuration_dflash2.py", "modeling_dflash2.py"):
+        assert (out / code_file).read_text().startswith("# SPDX-License-Identifier: Apache-2.0\n")
+    assert "\nlicense: apache-2.0\n" in (out / "README.md").read_text()
 
 
 def test_model_card_snippet_decodes_with_the_exported_folder(tmp_path, target, draft):
@@ -325,7 +329,7 @@ def test_exporting_a_strangers_checkpoint_never_unpickles_its_training_args(tmp_
     draft.save_pretrained(checkpoint)
     marker = tmp_path / "payload-ran"
     (checkpoint / "training_args.bin").write_bytes(pickle.dumps(Payload(marker)))
-    with caplog.at_level(logging.WARNING, logger="trainer.export"):
+    with caplog.at_level(logging.WARNING, logger="trainer.publishing.export"):
         record = training_record(checkpoint)
     assert not marker.exists() and record == {}
     assert f"has no {RECIPE_FILE}; its training_args.bin is a pickle and is not read" in caplog.text
@@ -445,7 +449,7 @@ def test_cli_embeds_one_evaluation_report_per_benchmark(tmp_path, target, draft)
     ],
 )
 def test_model_card_names_the_distillation_the_draft_was_trained_with(training, expected):
-    from trainer.model_card import render_model_card
+    from trainer.publishing.model_card import render_model_card
 
     config = json.loads((Path(__file__).resolve().parents[1] / "hub_configs" / "smollm2-135m-dflash2.json").read_text())
     card = render_model_card(config, None, {"training_arguments": training}, {}, None)
@@ -531,7 +535,7 @@ def test_an_in_memory_draft_with_a_block_beyond_the_bound_is_refused_before_rule
 
 def test_an_export_that_would_not_fit_in_memory_says_how_much_it_needs(tmp_path, draft, monkeypatch):
     checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft)
-    monkeypatch.setattr("trainer.config_bounds.available_memory", lambda: 1000)
+    monkeypatch.setattr("trainer.models.config_bounds.available_memory", lambda: 1000)
     count = sum(tensor.numel() for tensor in draft.state_dict().values())
     with pytest.raises(ValueError) as refused:
         load_trained_draft(checkpoint, dtype=torch.float32)
@@ -543,7 +547,7 @@ def test_an_export_that_would_not_fit_in_memory_says_how_much_it_needs(tmp_path,
 
 
 def test_available_memory_is_read_from_this_machine():
-    from trainer.config_bounds import available_memory
+    from trainer.models.config_bounds import available_memory
 
     total = (
         int(

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.checkpoints import checkpoint_problems, list_checkpoints
 from trainer.locks import RUN_LOCK_NAME
+from trainer.training.checkpoints import checkpoint_problems, list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = REPO / "tests" / "faults" / "train_with_fault.py"

@@ -1,4 +1,4 @@
-"""trainer.feature_store: a damaged, foreign or half-written feature store is one error naming the
+"""trainer.data.feature_store: a damaged, foreign or half-written feature store is one error naming the
 shard, the sample and the cache entry; one process writes an entry; a full disk keeps nothing."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.tiny_target import tiny_conversations, tiny_target
-from trainer import feature_store
-from trainer.chat import tokenize_chat
-from trainer.feature_store import (
+from trainer.data import feature_store
+from trainer.data.chat import tokenize_chat
+from trainer.data.feature_store import (
     FEATURE_INDEX,
     FeatureStoreError,
     OfflineDataset,
@@ -32,7 +32,7 @@ from trainer.feature_store import (
 )
 from trainer.fileio import DiskFullError
 from trainer.locks import FolderInUseError, entry_lock_file, lock_cache_entry
-from trainer.target import TargetSource, _load_gguf_through_cache
+from trainer.models.target import TargetSource, _load_gguf_through_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,8 +229,8 @@ HOLDER = """
 import sys, time
 import datasets
 from tests.tiny_target import tiny_conversations, tiny_target
-from trainer.chat import tokenize_chat
-from trainer.feature_store import prepare_features
+from trainer.data.chat import tokenize_chat
+from trainer.data.feature_store import prepare_features
 
 target = tiny_target()
 conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(5)})

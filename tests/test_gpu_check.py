@@ -13,7 +13,7 @@ import torch
 import tests.test_cuda
 from benchmarks import gpu_check
 from trainer.cli import run
-from trainer.plan import PARTS
+from trainer.plan.memory import PARTS
 
 
 def results_snapshot() -> tuple[set[str], float | None]:

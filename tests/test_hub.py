@@ -18,8 +18,8 @@ from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.hub_server import LoopbackHub
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.export import PROVENANCE_FILE, ExportValidationError, TargetDimensions, export_draft
-from trainer.hub import check_export_folder, publish, validate_export_folder
+from trainer.publishing.export import PROVENANCE_FILE, ExportValidationError, TargetDimensions, export_draft
+from trainer.publishing.hub import check_export_folder, publish, validate_export_folder
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hf_TESTtoken_0123456789abcdef"
@@ -59,7 +59,7 @@ def _run(command: list[str], hub: LoopbackHub, tmp_path: Path) -> subprocess.Com
 
 PUSH = """
 import sys
-from trainer.hub import publish
+from trainer.publishing.hub import publish
 commit = publish(sys.argv[1], sys.argv[2], private=True)
 print(commit.oid)
 """
@@ -258,12 +258,12 @@ def test_publishing_revalidates_the_folder_on_disk(exported, tampering):
 
 
 def test_weights_larger_than_memory_are_refused_before_they_are_read(exported, monkeypatch):
-    from trainer.config_bounds import available_memory
+    from trainer.models.config_bounds import available_memory
 
     _, folder = exported
     weights = folder / "model.safetensors"
     os.truncate(weights, 2 * available_memory())  # sparse: no disk is used
-    monkeypatch.setattr("trainer.hub.load_file", lambda path: pytest.fail("the weights were read"))
+    monkeypatch.setattr("trainer.publishing.hub.load_file", lambda path: pytest.fail("the weights were read"))
     with pytest.raises(ValueError, match=r"checking this export before publishing needs about .* memory available$"):
         validate_export_folder(folder)
 
@@ -271,8 +271,8 @@ def test_weights_larger_than_memory_are_refused_before_they_are_read(exported, m
 @pytest.mark.parametrize("repo_id", ["org/x\n---", "$(touch /tmp/x)", "org/`id`", "org/'quoted'", "org/a--b", ""])
 def test_publish_refuses_a_malformed_repo_id_before_anything_else(exported, monkeypatch, repo_id):
     _, folder = exported
-    monkeypatch.setattr("trainer.hub.HfApi", lambda **kwargs: pytest.fail("the Hub was contacted"))
-    monkeypatch.setattr("trainer.hub.validate_export_folder", lambda folder: pytest.fail("validated first"))
+    monkeypatch.setattr("trainer.publishing.hub.HfApi", lambda **kwargs: pytest.fail("the Hub was contacted"))
+    monkeypatch.setattr("trainer.publishing.hub.validate_export_folder", lambda folder: pytest.fail("validated first"))
     with pytest.raises(ValueError) as refused:
         publish(folder, repo_id)
     assert str(refused.value).startswith(f"repo_id: {repo_id!r} is not a valid Hub repo id (")

@@ -1,4 +1,4 @@
-"""trainer.loading: drafts are loaded with their class asserted (no silent Qwen3Model)."""
+"""trainer.models.loading: drafts are loaded with their class asserted (no silent Qwen3Model)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from transformers import AutoModel
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from tests.conftest import AskedTheHub, draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
-from trainer.export import load_trained_draft
-from trainer.loading import assert_draft_class, load_draft
-from trainer.warm_start import warm_start
+from trainer.models.loading import assert_draft_class, load_draft
+from trainer.models.warm_start import warm_start
+from trainer.publishing.export import load_trained_draft
 
 
 @pytest.fixture(scope="module")

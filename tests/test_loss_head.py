@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from modeling_dflash2 import unary_transform
-from trainer.loss_head import candidate_unary, fused_unary_cross_entropy
+from trainer.objective.loss_head import candidate_unary, fused_unary_cross_entropy
 
 
 def _plain(hidden, weight, labels, weights, multiplier, softcap):

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from tests.conftest import tiny_config, tiny_draft
-from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.masks import attention_masks, block_visible, dense_block_mask, flex_attention_available, flex_block_mask
+from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.objective.masks import (
+    attention_masks,
+    block_visible,
+    dense_block_mask,
+    flex_attention_available,
+    flex_block_mask,
+)
 
 
 def reference_visible(batch, query, key, anchors, keep, context, block, causal, window) -> bool:

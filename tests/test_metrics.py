@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.metrics import (
+from trainer.objective.metrics import (
     acceptance_terms,
     add_terms,
     finalize_terms,

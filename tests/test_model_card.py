@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.export import TargetDimensions
-from trainer.model_card import TAGS, render_model_card
+from trainer.publishing.export import TargetDimensions
+from trainer.publishing.model_card import TAGS, render_model_card
 
 CONFIG = json.loads((Path(__file__).resolve().parents[1] / "hub_configs" / "smollm2-135m-dflash2.json").read_text())
 HOSTILE = [

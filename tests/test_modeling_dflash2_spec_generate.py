@@ -94,7 +94,7 @@ def test_greedy_is_lossless_on_a_sliding_window_target():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from tests.tiny_target import tiny_tokenizer
-    from trainer.target import FrozenTarget
+    from trainer.models.target import FrozenTarget
 
     tokenizer = tiny_tokenizer()
     config = Qwen3Config(

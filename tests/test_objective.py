@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import objective_batch, tiny_dflash_config, tiny_draft, tiny_v1_draft
-from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.metrics import finalize_terms
-from trainer.objective import (
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.objective.loss import (
     ObjectiveConfig,
     configure_selector_training,
     decay_weights,
@@ -20,6 +19,7 @@ from trainer.objective import (
     draft_objective,
     selector_alpha_at,
 )
+from trainer.objective.metrics import finalize_terms
 
 VOCAB, HIDDEN = 50, 32
 

@@ -12,7 +12,7 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.export import TargetDimensions, export_draft, load_trained_draft
+from trainer.publishing.export import TargetDimensions, export_draft, load_trained_draft
 
 TARGET = TargetDimensions("org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)
 

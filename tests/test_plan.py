@@ -20,9 +20,9 @@ from transformers import AutoConfig
 from benchmarks.plan_check import SHAPES, plan_check
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import tiny_config_kwargs
-from trainer.arguments import parse_arguments
 from trainer.cli import run
-from trainer.plan import (
+from trainer.models.target import TargetSource
+from trainer.plan.memory import (
     GIB,
     PARTS,
     draft_facts,
@@ -33,7 +33,7 @@ from trainer.plan import (
     target_config_location,
     target_facts,
 )
-from trainer.target import TargetSource
+from trainer.training.arguments import parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = REPO / "tests" / "fixtures" / "targets"
@@ -374,7 +374,7 @@ def test_mismatched_target_is_refused(capsys, tiny_recipe):
 
 def test_module_entry_point_exit_status():
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.plan", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
+        [sys.executable, "-m", "trainer.plan.memory", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""trainer.preemption: the handler's bookkeeping and the callback's save-and-stop request."""
+"""trainer.training.preemption: the handler's bookkeeping and the callback's save-and-stop request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
-from trainer import preemption
-from trainer.preemption import PreemptionCallback, TrainingInterrupted
+from trainer.training import preemption
+from trainer.training.preemption import PreemptionCallback, TrainingInterrupted
 
 
 class Exited(Exception):

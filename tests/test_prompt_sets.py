@@ -7,8 +7,14 @@ import sys
 import pytest
 
 from tests.tiny_target import tiny_tokenizer
-from trainer import prompt_sets
-from trainer.prompt_sets import benchmark_texts, chat_prompt_ids, humaneval_problems, humaneval_texts, select_prompts
+from trainer.evaluation import prompt_sets
+from trainer.evaluation.prompt_sets import (
+    benchmark_texts,
+    chat_prompt_ids,
+    humaneval_problems,
+    humaneval_texts,
+    select_prompts,
+)
 
 FIRST_SIGNATURE = "def has_close_elements(numbers: List[float], threshold: float) -> bool:"
 

@@ -1,4 +1,4 @@
-"""trainer.regeneration / trainer.endpoint / trainer.response_journal: the target's answers in
+"""trainer.data.regeneration / trainer.data.endpoint / trainer.data.response_journal: the target's answers in
 process and through a loopback OpenAI-compatible server (real `generate`), token for token; retries,
 resume after a dead server and after kill -9, nothing lost or duplicated; wrong models refused."""
 
@@ -22,12 +22,12 @@ import pytest
 
 from benchmarks.openai_loopback import LoopbackOpenAI
 from tests.tiny_target import tiny_target
-from trainer import regeneration as regeneration_module
-from trainer.endpoint import EndpointError, EndpointSettings
+from trainer.data import regeneration as regeneration_module
+from trainer.data.endpoint import EndpointError, EndpointSettings
+from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
+from trainer.data.response_journal import ResponseJournal
 from trainer.fileio import DiskFullError
 from trainer.locks import FolderInUseError
-from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
-from trainer.response_journal import ResponseJournal
 
 REPO = Path(__file__).resolve().parents[1]
 MULTI_TURN = [
@@ -144,8 +144,8 @@ def test_kill_9_during_endpoint_regeneration_then_rerun_gives_the_uninterrupted_
         sys.path.insert(0, {str(REPO)!r})
         from tests.tiny_target import tiny_target
         from tests.test_regeneration import CONVERSATIONS, SETTINGS
-        from trainer.endpoint import EndpointSettings
-        from trainer.regeneration import regenerate
+        from trainer.data.endpoint import EndpointSettings
+        from trainer.data.regeneration import regenerate
         regenerate(tiny_target(), CONVERSATIONS * 4, SETTINGS, __import__("pathlib").Path({str(tmp_path)!r}),
                    endpoint=EndpointSettings(url=sys.argv[1], concurrency=2))
         """
@@ -238,7 +238,7 @@ def test_large_datasets_are_written_in_shards_and_read_lazily(target, tmp_path, 
     written a shard at a time: the same samples as from a list."""
     source = tmp_path / "source"
     datasets.Dataset.from_dict({"messages": CONVERSATIONS}).save_to_disk(str(source), num_shards=3)
-    from trainer.data import ConversationRows
+    from trainer.data.dataset import ConversationRows
 
     lazy = ConversationRows(datasets.load_from_disk(str(source)), "messages")
     assert [lazy[i] for i in range(len(lazy))] == CONVERSATIONS and list(lazy[2:4]) == CONVERSATIONS[2:4]
@@ -253,9 +253,9 @@ def test_prepare_regenerates_through_the_endpoint_with_the_tokenizer_alone_and_t
 ):
     from examples import prepare
     from tests.distributed.tiny_setup import write_tiny_run
-    from trainer.arguments import parse_arguments
-    from trainer.data import build_datasets
-    from trainer.target import FrozenTarget
+    from trainer.data.dataset import build_datasets
+    from trainer.models.target import FrozenTarget
+    from trainer.training.arguments import parse_arguments
 
     recipe = write_tiny_run(tmp_path, regenerate=True, max_new_tokens=6, generation_batch_size=1)
     with LoopbackOpenAI(target) as server:
@@ -275,8 +275,8 @@ def test_prepare_regenerates_through_the_endpoint_with_the_tokenizer_alone_and_t
 
 
 def test_endpoint_recipe_keys_are_checked(tmp_path):
-    from trainer.arguments import DataArguments
-    from trainer.data import endpoint_settings
+    from trainer.data.dataset import endpoint_settings
+    from trainer.training.arguments import DataArguments
 
     assert endpoint_settings(DataArguments(regenerate=True)) is None
     with pytest.raises(ValueError, match="regenerate_model is set but regenerate_endpoint is not"):
@@ -498,7 +498,7 @@ def test_an_entry_held_by_another_process_is_refused_naming_the_holder(target, t
 
 
 def test_a_full_disk_while_journaling_is_one_line_and_the_rerun_resumes(target, tmp_path, in_process, monkeypatch):
-    from trainer import response_journal
+    from trainer.data import response_journal
 
     real, appended = response_journal.write_record, []
 

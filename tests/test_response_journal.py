@@ -1,4 +1,4 @@
-"""trainer.response_journal: recovery keeps every valid record and drops only invalid ones (named by
+"""trainer.data.response_journal: recovery keeps every valid record and drops only invalid ones (named by
 line in one warning), crash-safely; skips to ask again are superseded; a full disk is one line and
 leaves no half record."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from trainer import fileio
-from trainer import response_journal as journal_module
+from trainer.data import response_journal as journal_module
+from trainer.data.response_journal import SKIP_EMPTY, SKIP_TOO_LONG, ResponseJournal
 from trainer.fileio import DiskFullError
-from trainer.response_journal import SKIP_EMPTY, SKIP_TOO_LONG, ResponseJournal
 
 ROWS, VOCABULARY = 12, 1000
 

@@ -1,4 +1,4 @@
-"""Resume refuses a changed run (trainer.resume_check): the recorded recipe against the new one,
+"""Resume refuses a changed run (trainer.training.resume_check): the recorded recipe against the new one,
 before any weights load; allowed changes are logged, and an allowed learning rate takes effect."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
-from trainer.arguments import DFlashTrainingArguments
-from trainer.data import DFlashCollator
-from trainer.resume_check import (
+from trainer.data.dataset import DFlashCollator
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.resume_check import (
     IDENTITY_KEY,
     RECIPE_FILE,
     changed_fields,
@@ -22,7 +22,7 @@ from trainer.resume_check import (
     dataset_fingerprint,
     target_fingerprint,
 )
-from trainer.trainer import DFlash2Trainer
+from trainer.training.trainer import DFlash2Trainer
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from trainer.arguments import DFlashTrainingArguments
-from trainer.chat import tokenize_chat
-from trainer.data import DFlashCollator
-from trainer.target import FrozenTarget, find_packaged_gguf
-from trainer.trainer import DFlash2Trainer
+from trainer.data.chat import tokenize_chat
+from trainer.data.dataset import DFlashCollator
+from trainer.models.target import FrozenTarget, find_packaged_gguf
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.trainer import DFlash2Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_a_few_training_steps_lower_the_loss(smollm2, draft_config, tmp_path):
 
 def test_greedy_speculative_decoding_is_lossless_on_smollm2(smollm2, draft_config, monkeypatch):
     from tests.test_speculative import OracleProposals
-    from trainer.speculative import spec_generate
+    from trainer.evaluation.speculative import spec_generate
 
     torch.manual_seed(0)
     draft = DFlash2DraftModel(draft_config).eval()

@@ -13,7 +13,7 @@ from modeling_dflash2 import DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import BlockProposals
 from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.speculative import spec_generate, target_generate
+from trainer.evaluation.speculative import spec_generate, target_generate
 
 PROMPTS = [[1, 9, 14, 22, 7], [1, 30, 31], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 40]]
 

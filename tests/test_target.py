@@ -1,4 +1,4 @@
-"""trainer.target: frozen target, capture of hidden_states[id + 1] in list order, compatibility checks."""
+"""trainer.models.target: frozen target, capture of hidden_states[id + 1] in list order, compatibility checks."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import AskedTheHub
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer import target as target_module
-from trainer.export import TargetDimensions
-from trainer.target import FrozenTarget, TargetSource, check_target_sharding
+from trainer.models import target as target_module
+from trainer.models.target import FrozenTarget, TargetSource, check_target_sharding
+from trainer.publishing.export import TargetDimensions
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -260,7 +260,7 @@ def test_fsdp_sharding_on_a_single_process_warns_and_keeps_the_target_whole(capl
     target = tiny_target()
     input_ids = torch.randint(4, 40, (1, 5))
     before = target.capture(input_ids, None, [1, 2])
-    with caplog.at_level(logging.WARNING, logger="trainer.target"):
+    with caplog.at_level(logging.WARNING, logger="trainer.models.target"):
         target.place("cpu", "fsdp")
     assert "target_sharding: fsdp on a single process: the target stays whole on cpu" in caplog.text
     assert not target.sharded
@@ -279,9 +279,9 @@ def test_target_sharding_choices_and_the_uneven_paths_are_refused():
 
 
 def sharded_trainer(tmp_path, target_sharding: str, **overrides):
-    from trainer.arguments import DFlashTrainingArguments
-    from trainer.data import DFlashCollator
-    from trainer.trainer import DFlash2Trainer
+    from trainer.data.dataset import DFlashCollator
+    from trainer.training.arguments import DFlashTrainingArguments
+    from trainer.training.trainer import DFlash2Trainer
 
     target = tiny_target()
     values = {"output_dir": str(tmp_path), "max_steps": 1, "report_to": [], "use_cpu": True, **overrides}
@@ -324,7 +324,7 @@ def test_a_decoder_without_a_layers_list_runs_whole_with_one_warning(caplog):
     assert target.decoder_layers is None and target.num_layers == 3
     input_ids = torch.randint(4, 40, (2, 6))
     states = full_run_hidden_states(target, input_ids, None)
-    with caplog.at_level(logging.WARNING, logger="trainer.target"):
+    with caplog.at_level(logging.WARNING, logger="trainer.models.target"):
         for _ in range(2):
             assert torch.equal(target.capture(input_ids, None, [0]), states[1])
     assert caplog.text.count("GPT2Model has no `layers` ModuleList: capture runs the whole target.") == 1

@@ -11,10 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_tokenizer
-from trainer.blocks import sample_anchors
-from trainer.objective import ObjectiveConfig, draft_objective
-from trainer.target import FrozenTarget
-from trainer.tau_gap import (
+from trainer.evaluation.tau_gap import (
     decode_and_force,
     decoding_anchors,
     render_table,
@@ -22,6 +19,9 @@ from trainer.tau_gap import (
     tau_gap_report,
     teacher_forced_acceptance,
 )
+from trainer.models.target import FrozenTarget
+from trainer.objective.blocks import sample_anchors
+from trainer.objective.loss import ObjectiveConfig, draft_objective
 
 STOP = 2  # the tiny tokenizer's <|im_end|>
 # greedy answers of the tiny target below mix repeats (easy) and changes (hard); the last one

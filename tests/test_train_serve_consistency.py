@@ -8,9 +8,9 @@ import torch
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.blocks import build_blocks
-from trainer.masks import attention_masks
-from trainer.objective import embed_draft_ids
+from trainer.objective.blocks import build_blocks
+from trainer.objective.loss import embed_draft_ids
+from trainer.objective.masks import attention_masks
 
 LAYOUTS = {
     "bidirectional full": {},

@@ -16,12 +16,12 @@ from transformers import TrainerCallback
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
-from trainer.arguments import DFlashTrainingArguments
-from trainer.checkpoints import checkpoint_problems
-from trainer.data import DFlashCollator
-from trainer.feature_store import OfflineDataset, prepare_features
+from trainer.data.dataset import DFlashCollator
+from trainer.data.feature_store import OfflineDataset, prepare_features
 from trainer.fileio import DiskFullError
-from trainer.trainer import DFlash2Trainer
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.checkpoints import checkpoint_problems
+from trainer.training.trainer import DFlash2Trainer
 
 CHECKPOINT_FILES = {
     "config.json",

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from modeling_dflash2 import DFlashDraftModel
 from tests.conftest import draft_inputs, randomize, rewrite_safetensors
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.warm_start import warm_start
+from trainer.models.warm_start import warm_start
 
 IGNORED = ("auto_map", "transformers_version", "_name_or_path")
 
@@ -140,7 +140,7 @@ def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(
     from examples import train
     from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
     from tests.distributed.tiny_setup import write_tiny_run
-    from trainer.arguments import parse_arguments
+    from trainer.training.arguments import parse_arguments
 
     recipe = write_tiny_run(tmp_path, init_from=str(tmp_path / "source"), max_steps=1, num_eval_samples=0)
     config_file = tmp_path / "draft.json"
@@ -204,7 +204,7 @@ def test_an_absurd_source_config_is_refused_before_anything_is_built(
 
 def test_a_v1_source_without_num_target_layers_is_within_bounds(tmp_path, recipe_config):
     """z-lab's v1 configs may omit num_target_layers: the bounds do not require it."""
-    from trainer.config_bounds import bounds_violations
+    from trainer.models.config_bounds import bounds_violations
 
     zlab_v1_dir(tmp_path / "v1", recipe_config)
     config = json.loads((tmp_path / "v1" / "config.json").read_text())

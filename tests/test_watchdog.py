@@ -1,4 +1,4 @@
-"""trainer.watchdog without processes: heartbeat bookkeeping, stale and dead peers, who speaks, the lines."""
+"""trainer.training.watchdog without processes: heartbeat bookkeeping, stale and dead peers, who speaks, the lines."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from trainer import watchdog as wd
-from trainer.arguments import DFlashTrainingArguments
-from trainer.watchdog import DONE, EXITED, HeartbeatTable, LostRank, ProcessIdentity, Watchdog
+from trainer.training import watchdog as wd
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.watchdog import DONE, EXITED, HeartbeatTable, LostRank, ProcessIdentity, Watchdog
 
 
 class Clock:

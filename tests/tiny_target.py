@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from modeling_dflash2 import DFlash2Config
 from tests.conftest import tiny_config_kwargs, tiny_dflash_config
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<mask>"]
 WORDS = [
@@ -144,7 +144,7 @@ def tiny_chat_dataset(target: FrozenTarget, count: int, seed: int = 0, max_lengt
     """Tokenized tiny conversations with assistant loss masks, ready for a trainer."""
     import datasets
 
-    from trainer.data import tokenize_conversations, truncate_and_filter
+    from trainer.data.dataset import tokenize_conversations, truncate_and_filter
 
     conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(count, seed=seed)})
     return truncate_and_filter(tokenize_conversations(target.tokenizer, conversations), max_length)

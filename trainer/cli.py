@@ -4,12 +4,13 @@ Errors a user can fix (a refused recipe value, a missing file, a broken contract
 refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
 or `DFLASH2_DEBUG=1`, shows the full traceback instead. A run stopped by SIGTERM/SIGINT exits with
 128 + the signal number after its one line. Under torchrun / accelerate launch only rank 0 prints.
-A rank that died or stalled (`trainer.watchdog`) ends the others with status 1 after one line naming
+A rank that died or stalled (`trainer.training.watchdog`) ends the others with status 1 after one line naming
 it, printed by the lowest surviving rank. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -18,8 +19,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from trainer.preemption import TrainingInterrupted
-from trainer.watchdog import watched_run
+from trainer.training.preemption import TrainingInterrupted
+from trainer.training.watchdog import watched_run
 
 DEBUG_FLAG = "--debug"
 USER_ERROR_STATUS = 2
@@ -83,3 +84,17 @@ def describe(error: BaseException) -> str:
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename}"
     return message or type(error).__name__
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse whose refusals are user errors: `run` prints them as the one `error:` line, exit 2
+    (argparse itself would print its usage block and exit 2 from deep inside `parse_args`)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.prog}: {message}")
+
+
+def command_parser(prog: str, doc: str | None, **kwargs: Any) -> CommandParser:
+    """The parser every command uses: its module docstring as the help text, no abbreviations."""
+    kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    return CommandParser(prog=prog, description=doc, allow_abbrev=False, **kwargs)

@@ -47,7 +47,7 @@ SAMPLES = 32
 def short_prompts(tokenizer: Any, count: int) -> list[str]:
     """The first `count` chitchat prompts of at most MAX_PROMPT_TOKENS tokens: short chat turns,
     so the run measures answering rather than prefill of a few long openings."""
-    from trainer.data import chitchat_prompts
+    from trainer.data.dataset import chitchat_prompts
 
     prompts = []
     for prompt in chitchat_prompts():
@@ -117,7 +117,7 @@ def server_record(server: VllmServer) -> dict[str, Any]:
 def relative_errors(tokens: Any, engine_store: Path, local_store: Path, expected: dict[str, Any]) -> list[float]:
     """Per sample, |vLLM - in process| / |in process| of the stored hidden states (a sanity check:
     a fast server returning other features would not be a result)."""
-    from trainer.feature_store import OfflineDataset
+    from trainer.data.feature_store import OfflineDataset
 
     engine, local = OfflineDataset(tokens, engine_store, expected), OfflineDataset(tokens, local_store, expected)
     errors = []
@@ -132,12 +132,12 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
     import datasets
     import torch
 
-    from trainer.endpoint import EndpointSettings
-    from trainer.engine_features import FeatureEndpointSettings, engine_feature_arguments, prepare_engine_features
-    from trainer.feature_store import prepare_features, store_fingerprint
+    from trainer.data.endpoint import EndpointSettings
+    from trainer.data.engine_features import FeatureEndpointSettings, engine_feature_arguments, prepare_engine_features
+    from trainer.data.feature_store import prepare_features, store_fingerprint
+    from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
     from trainer.fileio import default_cache_root
-    from trainer.regeneration import GenerationSettings, prompt_conversation, regenerate
-    from trainer.target import FrozenTarget, TargetSource, TargetTokenizer, converted_gguf_path
+    from trainer.models.target import FrozenTarget, TargetSource, TargetTokenizer, converted_gguf_path
 
     began = time.perf_counter()
     layer_ids = json.loads(DRAFT_CONFIG.read_text())["dflash_config"]["target_layer_ids"]

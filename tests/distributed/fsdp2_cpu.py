@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.train import main
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer import trainer as trainer_module
+from trainer.training import trainer as trainer_module
 
 
 class ForcedFSDP2Trainer(trainer_module.DFlash2Trainer):

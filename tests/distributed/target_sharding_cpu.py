@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import examples.train as train_script
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.distributed import close_process_group
-from trainer.trainer import DFlash2Trainer
+from trainer.training.distributed import close_process_group
+from trainer.training.trainer import DFlash2Trainer
 
 TRAINERS: list[DFlash2Trainer] = []
 

@@ -25,7 +25,7 @@ from benchmarks.engines.vllm_server import (
     engine_available,
 )
 from trainer.fileio import default_cache_root
-from trainer.target import FrozenTarget, TargetSource, converted_gguf_path
+from trainer.models.target import FrozenTarget, TargetSource, converted_gguf_path
 
 ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
 HERE = Path(__file__).parent

@@ -41,9 +41,9 @@ from safetensors.torch import load_file
 from benchmarks.engines.vllm_server import LIFT_CANDIDATE_REFUSAL, VllmServer
 from modeling_dflash2 import DFlash2DraftModel
 from tests.engines.conftest import TARGET, start_server
-from trainer.data import chitchat_prompts
-from trainer.prompt_sets import chat_prompt_ids
-from trainer.target import FrozenTarget
+from trainer.data.dataset import chitchat_prompts
+from trainer.evaluation.prompt_sets import chat_prompt_ids
+from trainer.models.target import FrozenTarget
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"

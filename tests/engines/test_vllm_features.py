@@ -24,17 +24,17 @@ import torch
 
 from benchmarks.engines.vllm_server import CPU_CONNECTOR
 from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_server
-from trainer.chat import render
-from trainer.data import chitchat_prompts
-from trainer.endpoint import EndpointError, EndpointSettings
-from trainer.engine_features import (
+from trainer.data.chat import render
+from trainer.data.dataset import chitchat_prompts
+from trainer.data.endpoint import EndpointError, EndpointSettings
+from trainer.data.engine_features import (
     PROGRESS_FILE,
     FeatureEndpointSettings,
     engine_feature_arguments,
     prepare_engine_features,
 )
-from trainer.feature_store import FEATURE_INDEX, OfflineDataset, prepare_features, store_fingerprint
-from trainer.target import TargetTokenizer
+from trainer.data.feature_store import FEATURE_INDEX, OfflineDataset, prepare_features, store_fingerprint
+from trainer.models.target import TargetTokenizer
 
 DRAFT_CONFIG = REPO / "hub_configs" / "smollm2-135m-dflash2.json"
 LAYER_IDS = json.loads(DRAFT_CONFIG.read_text())["dflash_config"]["target_layer_ids"]
@@ -116,8 +116,8 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 from tests.engines.test_vllm_features import settings_for_url, token_samples
-from trainer.engine_features import prepare_engine_features
-from trainer.target import TargetTokenizer
+from trainer.data.engine_features import prepare_engine_features
+from trainer.models.target import TargetTokenizer
 target = TargetTokenizer.load({TARGET!r})
 prepare_engine_features(settings_for_url({feature_server.url!r}), target, token_samples(target.tokenizer, {samples}),
                         {LAYER_IDS!r}, Path({str(tmp_path)!r}), shard_samples={shard})
@@ -141,7 +141,7 @@ prepare_engine_features(settings_for_url({feature_server.url!r}), target, token_
     assert 3 * shard <= done < samples
 
     tokens = token_samples(smollm2.tokenizer, samples)
-    with caplog.at_level(logging.INFO, logger="trainer.engine_features"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.engine_features"):
         store = prepare_engine_features(
             settings_for(feature_server), TargetTokenizer.load(TARGET), tokens, LAYER_IDS, tmp_path, shard_samples=shard
         )

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_server
-from trainer.data import chitchat_prompts
-from trainer.endpoint import EndpointSettings
-from trainer.regeneration import GenerationSettings, prompt_conversation, regenerate
-from trainer.target import TargetTokenizer
+from trainer.data.dataset import chitchat_prompts
+from trainer.data.endpoint import EndpointSettings
+from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
+from trainer.models.target import TargetTokenizer
 
 SETTINGS = GenerationSettings(max_new_tokens=24, max_prompt_length=96, batch_size=4)
 PROMPTS = 12

@@ -25,8 +25,8 @@ from transformers import TrainerCallback, TrainerState
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import examples.train as train_script
-from trainer.checkpoints import MANIFEST, STAGING_PREFIX, TRASH_PREFIX
 from trainer.cli import run
+from trainer.training.checkpoints import MANIFEST, STAGING_PREFIX, TRASH_PREFIX
 
 
 def kill() -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from trainer.evaluation import render_markdown
+from trainer.evaluation.report import render_markdown
 from trainer.fileio import looks_like_local_path
-from trainer.hub_ids import NOT_HUB_PREFIXES, check_hub_id
+from trainer.publishing.hub_ids import NOT_HUB_PREFIXES, check_hub_id
 
 THIS_REPO = "<this repo>"  # the placeholder the reader replaces with the draft's repo id
 Reports = dict[str, dict[str, Any]]  # speculative-decoding reports keyed by benchmark

@@ -2,7 +2,7 @@
 
 An id lands in the model card's heading, its copy-paste shell commands and its Python snippet, and
 in Hub API URLs: a value holding a newline, `---` or `$(...)` is refused here, in one line naming the
-field, instead of reaching any of them. This module imports nothing heavy: trainer.arguments uses it.
+field, instead of reaching any of them. This module imports nothing heavy: trainer.training.arguments uses it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ and added over the base denominator with `alpha_eff`:
 with w_pos the position weight (decay or D-PACE), w_sel = w_pos on slots whose gold is a candidate,
 and the normaliser sum w * decay (CE) or sum w (D-PACE): see `loss_denominator`.
 
-The LM head runs in chunks of blocks, fused with the cross-entropy (`trainer.loss_head`: the
+The LM head runs in chunks of blocks, fused with the cross-entropy (`trainer.objective.loss_head`: the
 gradient is formed in the forward pass, so no chunk's logits outlive it), and the selector term
 runs under activation checkpointing, so peak memory does not grow with N * B * V. Everything is
 returned as additive (numerator, denominator) pairs that pool exactly across chunks,
@@ -31,10 +31,10 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, join_lattices
-from trainer.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
-from trainer.masks import attention_masks
-from trainer.metrics import MetricTerms, selector_terms, unary_terms
+from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.objective.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
+from trainer.objective.masks import attention_masks
+from trainer.objective.metrics import MetricTerms, selector_terms, unary_terms
 
 LOSS_TYPES = ("ce", "dpace", "kd")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")

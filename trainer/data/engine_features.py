@@ -45,8 +45,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from trainer.chat import render, template_kwargs
-from trainer.endpoint import (
+from trainer.data.chat import render, template_kwargs
+from trainer.data.endpoint import (
     PROBE_MESSAGES,
     EndpointClient,
     EndpointError,
@@ -54,7 +54,7 @@ from trainer.endpoint import (
     EndpointSettings,
     run_workers,
 )
-from trainer.feature_store import (
+from trainer.data.feature_store import (
     FEATURE_INDEX,
     ShardWriter,
     feature_store_path,
@@ -62,7 +62,7 @@ from trainer.feature_store import (
 )
 from trainer.fileio import check_safetensors_file, fsync_path, reporting_disk_full, write_file_atomically
 from trainer.locks import lock_cache_entry
-from trainer.target import TargetTokenizer
+from trainer.models.target import TargetTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from trainer.fileio import (
     write_directory_atomically,
 )
 from trainer.locks import lock_cache_entry
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from trainer.data import chitchat_prompts
-from trainer.regeneration import prompt_conversation
+from trainer.data.dataset import chitchat_prompts
+from trainer.data.regeneration import prompt_conversation
 
 BENCHMARKS = ("heldout", "humaneval")
 # HumanEval prompts reach 447 SmolLM2 tokens once templated: its default keeps every problem

@@ -1,6 +1,6 @@
 """Write a DFlash2 draft config (and a starter recipe) for any Hugging Face causal LM.
 
-python -m trainer.configure TARGET --num-draft-layers N --block-size B --output PATH
+python -m trainer.plan.configure TARGET --num-draft-layers N --block-size B --output PATH
     [--mask-token-id ID] [--recipe RECIPE_PATH [--recipe-size cpu|gpu]] [--selector-rank R]
     [--selector-top-k K] [--conv-kernel-size C] [--conv-group-size G] [--target-gguf-file F]
 
@@ -26,9 +26,9 @@ import yaml
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from modeling_dflash2 import DFlash2Config
-from trainer.export import TargetDimensions, config_violations
 from trainer.fileio import write_file_atomically
-from trainer.target import TargetSource
+from trainer.models.target import TargetSource
+from trainer.publishing.export import TargetDimensions, config_violations
 
 logger = logging.getLogger(__name__)
 

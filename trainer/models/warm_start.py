@@ -17,9 +17,9 @@ import os
 import torch
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from trainer.config_bounds import FLOAT32_BYTES, check_checkpoint_config
 from trainer.fileio import check_local_checkpoint
-from trainer.loading import assert_draft_class
+from trainer.models.config_bounds import FLOAT32_BYTES, check_checkpoint_config
+from trainer.models.loading import assert_draft_class
 
 logger = logging.getLogger(__name__)
 

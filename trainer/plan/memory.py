@@ -33,11 +33,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2DecoderLayer
-from trainer.arguments import parse_arguments
-from trainer.cli import run
+from trainer.cli import command_parser, run
 from trainer.fileio import default_cache_root, require_existing_path
-from trainer.recipe_files import resolve_path
-from trainer.target import PYPI_PREFIX, TargetSource
+from trainer.models.target import PYPI_PREFIX, TargetSource
+from trainer.training.arguments import parse_arguments
+from trainer.training.recipe_files import resolve_path
 
 GIB = 2**30
 FP32 = 4
@@ -829,20 +829,8 @@ def plan_run(
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises (one `error:` line through trainer.cli.run) instead of printing usage."""
-
-    def error(self, message: str):
-        raise ValueError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m trainer.plan",
-        description=__doc__.split("\n\n")[0],
-        allow_abbrev=False,
-        add_help=False,
-    )
+    parser = command_parser("python -m trainer.plan", __doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--num-gpus", type=int, default=None, help="ranks (default: the accelerate config's, or 1)")
     parser.add_argument(
         "--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB, 2^30 bytes (default 80)"

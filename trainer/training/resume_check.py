@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from trainer.export import RECIPE_FILE
-from trainer.objective import ObjectiveConfig
+from trainer.objective.loss import ObjectiveConfig
+from trainer.publishing.export import RECIPE_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A recipe is a flat YAML mapping whose keys are fields of `ModelArguments`, `DataArguments` and
 `DFlashTrainingArguments` (a `transformers.TrainingArguments`); `--key value` flags after the
 recipe path override it. Every value is converted to its field's type or refused naming the field
-(`trainer.recipe_types`): YAML alone reads `1e-3` as a string and `"false"` stays a (truthy) string.
+(`trainer.training.recipe_types`): YAML alone reads `1e-3` as a string and `"false"` stays a (truthy) string.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from trainer.hub_ids import check_hub_id, check_hub_id_if_remote
-from trainer.objective import ObjectiveConfig
-from trainer.recipe_types import convert, field_choices, field_types
+from trainer.objective.loss import ObjectiveConfig
+from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
+from trainer.training.recipe_types import convert, field_choices, field_types
 
 
 @dataclass
@@ -164,14 +164,14 @@ class DFlashTrainingArguments(TrainingArguments):
         default_factory=list,
         metadata={
             "help": "Fields a resumed run may change although they change the model, data, objective or "
-            "optimization (e.g. [learning_rate]); any other such change is refused (trainer.resume_check)."
+            "optimization (e.g. [learning_rate]); any other such change is refused (trainer.training.resume_check)."
         },
     )
     rank_stall_timeout: float = field(
         default=300.0,
         metadata={
             "help": "Seconds without a heartbeat from another rank's process (stopped, hung host, lost network) "
-            "before the job stops with one line naming it (trainer.watchdog). The heartbeat is a thread, so a "
+            "before the job stops with one line naming it (trainer.training.watchdog). The heartbeat is a thread, so a "
             "rank's long solo work (a checkpoint write, a first-step torch.compile) does not pause it; the "
             "margin covers a process starved by swapping or a long call holding the GIL. 0: off."
         },
@@ -331,7 +331,7 @@ def _build(values: dict[str, Any]) -> tuple[Any, ...]:
 def parse_arguments(argv: list[str], default_recipe: Path | None = None):
     """(model, data, training) arguments from a YAML recipe (+ `--key value` overrides), or from flags alone.
 
-    Both go through the same conversion of every value to its field's type (`trainer.recipe_types`).
+    Both go through the same conversion of every value to its field's type (`trainer.training.recipe_types`).
     """
     if not argv and default_recipe is not None:
         argv = [str(default_recipe)]

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from modeling_dflash2 import DFlashDraftModel
-from trainer.speculative import SpeculativeResult, spec_generate, target_generate
+from trainer.evaluation.speculative import SpeculativeResult, spec_generate, target_generate
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-# What a training run folder of this project holds (trainer.trainer writes both); an exported or
+# What a training run folder of this project holds (trainer.training.trainer writes both); an exported or
 # downloaded draft holds neither.
 TRAINING_RUN_FILES = ("dflash2_recipe.json", "trainer_state.json")
 EVALUATE_ROOT = Path("outputs") / "evaluate"

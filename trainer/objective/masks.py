@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from modeling_dflash2 import DFlashSettings
-from trainer.blocks import BlockBatch
+from trainer.objective.blocks import BlockBatch
 
 
 def block_visible(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.watchdog import finish_watchdog
+from trainer.training.watchdog import finish_watchdog
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -39,7 +39,7 @@ def close_process_group(trainer: Trainer) -> None:
     """Barrier, free the trainer's DDP wrapper and the accelerator's references, destroy the group.
 
     Call once, at the very end of a run: the trainer cannot train again afterwards. Without an
-    initialised process group this does nothing. The rank watchdog (`trainer.watchdog`) guards the
+    initialised process group this does nothing. The rank watchdog (`trainer.training.watchdog`) guards the
     barrier and stands down after it: from then on ranks exit on their own.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from modeling_dflash2 import DFlashDraftModel
-from trainer.blocks import build_blocks, sample_anchors
-from trainer.metrics import leading_run
-from trainer.objective import ObjectiveConfig, draft_objective
-from trainer.target import FrozenTarget
+from trainer.models.target import FrozenTarget
+from trainer.objective.blocks import build_blocks, sample_anchors
+from trainer.objective.loss import ObjectiveConfig, draft_objective
+from trainer.objective.metrics import leading_run
 
 PATH_MODES = {"selector": "walk", "unary": "unary"}  # decoding path -> its teacher-forced metric
 

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from trainer.config_bounds import (
+from trainer.models.config_bounds import (
     MAX_CONFIG_BYTES,
     bounds_violations,
     check_memory,
@@ -29,8 +29,13 @@ from trainer.config_bounds import (
     parameter_count,
     read_config_file,
 )
-from trainer.export import PROVENANCE_FILE, ExportValidationError, contract_violations, export_folder_problems
-from trainer.hub_ids import check_hub_id
+from trainer.publishing.export import (
+    PROVENANCE_FILE,
+    ExportValidationError,
+    contract_violations,
+    export_folder_problems,
+)
+from trainer.publishing.hub_ids import check_hub_id
 
 logger = logging.getLogger(__name__)
 

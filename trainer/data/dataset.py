@@ -1,5 +1,5 @@
 """Training data: chat -> tokens + assistant loss mask, target-regenerated responses
-(trainer/regeneration.py), offline features (trainer/feature_store.py).
+(trainer/data/regeneration.py), offline features (trainer/data/feature_store.py).
 
 Every dataset here is map-style (a `datasets.Dataset` or an indexable torch dataset), so Trainer's
 resume skips exactly the consumed samples. Samples carry `input_ids` and `loss_mask` (1 on tokens
@@ -19,14 +19,14 @@ import pyarrow.parquet
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from trainer.blocks import valid_anchor_mask
-from trainer.chat import tokenize_chat
-from trainer.endpoint import EndpointSettings
-from trainer.engine_features import FeatureEndpointSettings, check_engine_layers, prepare_engine_features
-from trainer.feature_store import OfflineDataset, prepare_features, store_fingerprint
+from trainer.data.chat import tokenize_chat
+from trainer.data.endpoint import EndpointSettings
+from trainer.data.engine_features import FeatureEndpointSettings, check_engine_layers, prepare_engine_features
+from trainer.data.feature_store import OfflineDataset, prepare_features, store_fingerprint
+from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.fileio import default_cache_root, require_existing_path
-from trainer.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
-from trainer.target import FrozenTarget, TargetTokenizer
+from trainer.models.target import FrozenTarget, TargetTokenizer
+from trainer.objective.blocks import valid_anchor_mask
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ No non-finite step is ever saved. Before each optimizer step the gradient norm H
 (global across ranks) and the step's losses are checked, with one scalar all-reduce when there
 are several ranks, so every rank stops (or skips, `skip_nonfinite_steps`) at the same step; the
 weights are checked once more before every checkpoint and the final save. Resume compares the
-checkpoint's recorded recipe with the new run first (`trainer.resume_check`).
+checkpoint's recorded recipe with the new run first (`trainer.training.resume_check`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,24 @@ import torch
 from transformers import Trainer
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
-from trainer.arguments import DFlashTrainingArguments
-from trainer.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.chat import end_of_turn_ids
-from trainer.checkpoints import (
+from trainer.data.chat import end_of_turn_ids
+from trainer.evaluation.report import SpeculativeEvalCallback, prompt_ids
+from trainer.fileio import replace_files_atomically, reporting_disk_full, write_file_atomically
+from trainer.models.compile import compile_decoder_layers
+from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.objective.loss import (
+    ObjectiveResult,
+    configure_selector_training,
+    draft_objective,
+    loss_denominator,
+    selector_alpha_at,
+)
+from trainer.objective.metrics import MetricTerms, add_terms, flatten_terms, ratios
+from trainer.publishing.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
+from trainer.publishing.hub import PushExportOnSaveCallback, publish
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.checkpoints import (
     STAGING_PREFIX,
     check_resumable,
     clean_leftovers,
@@ -44,22 +58,8 @@ from trainer.checkpoints import (
     rotate,
     staging_parent,
 )
-from trainer.compile import compile_decoder_layers
-from trainer.evaluation import SpeculativeEvalCallback, prompt_ids
-from trainer.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
-from trainer.fileio import replace_files_atomically, reporting_disk_full, write_file_atomically
-from trainer.hub import PushExportOnSaveCallback, publish
-from trainer.metrics import MetricTerms, add_terms, flatten_terms, ratios
-from trainer.objective import (
-    ObjectiveResult,
-    configure_selector_training,
-    draft_objective,
-    loss_denominator,
-    selector_alpha_at,
-)
-from trainer.preemption import PreemptionCallback
-from trainer.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
-from trainer.target import FrozenTarget, check_target_sharding
+from trainer.training.preemption import PreemptionCallback
+from trainer.training.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class DFlash2Trainer(Trainer):
             self.add_callback(SpeculativeEvalCallback(self, prompts, self.args.spec_eval_max_new_tokens, stops))
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        """The draft's layers are compiled in place (`trainer.compile`): accelerate must not compile
+        """The draft's layers are compiled in place (`trainer.models.compile`): accelerate must not compile
         the whole model again."""
         arguments = super()._build_accelerator_args(**kwargs)
         if self.args.torch_compile and "dynamo_plugin" in arguments:
@@ -288,7 +288,7 @@ class DFlash2Trainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """HF `train`, plus: leftovers of interrupted saves are cleaned up first, `True` resumes from
         the newest *complete* checkpoint (or starts fresh when there is none), a named checkpoint
-        is checked before use and against the new run (`trainer.resume_check`, before any weights
+        is checked before use and against the new run (`trainer.training.resume_check`, before any weights
         load), and SIGTERM/SIGINT save a checkpoint and stop (`self.preemption`)."""
         if self.args.should_save:
             clean_leftovers(Path(self.args.output_dir))

@@ -26,15 +26,15 @@ from safetensors.torch import save_file
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
-from trainer.config_bounds import (
+from trainer.fileio import check_checkpoint_weights, require_existing_path, write_directory_atomically
+from trainer.models.config_bounds import (
     FLOAT32_BYTES,
     check_checkpoint_config,
     check_draft_config,
     read_config_file,
 )
-from trainer.fileio import check_checkpoint_weights, require_existing_path, write_directory_atomically
-from trainer.loading import load_draft
-from trainer.target import TargetSource
+from trainer.models.loading import load_draft
+from trainer.models.target import TargetSource
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ STRUCTURAL_RULES = ("rule 1:", "rule 2:", "rule 3:")
 def config_violations(
     config: dict[str, Any], target: TargetDimensions | None, expected_block_size: int | None = None
 ) -> list[str]:
-    """The config.json rules (1-15), checkable before any tensor exists (trainer.configure)."""
+    """The config.json rules (1-15), checkable before any tensor exists (trainer.plan.configure)."""
     failures: list[str] = []
 
     def fail(rule: int, message: str) -> None:
@@ -491,7 +491,7 @@ def reports_by_benchmark(
     """Speculative-decoding reports keyed by benchmark, in the given order; a report from before
     benchmarks existed counts as `heldout`. Two reports on one benchmark are refused: the card
     could show only one of them."""
-    from trainer.evaluation import report_benchmark
+    from trainer.evaluation.report import report_benchmark
 
     listed = [reports] if isinstance(reports, Mapping) else list(reports or [])
     keyed: dict[str, dict[str, Any]] = {}
@@ -521,7 +521,7 @@ def export_draft(
     `overwrite` replaces only an earlier export, never the `source` checkpoint, a folder holding
     it or a folder inside it. `evaluation_report`: one report of examples/evaluate.py, or one per
     benchmark; the card shows each under its benchmark's heading."""
-    from trainer.model_card import render_model_card, save_acceptance_plot
+    from trainer.publishing.model_card import render_model_card, save_acceptance_plot
 
     reports = reports_by_benchmark(evaluation_report)
 

@@ -1,0 +1,1 @@
+"""Training data: conversations and their loss masks, regenerated answers, offline target features."""

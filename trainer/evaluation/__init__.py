@@ -1,0 +1,1 @@
+"""Real speculative decoding measured: acceptance reports, the tau gap, the prompt sets."""

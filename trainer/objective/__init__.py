@@ -1,0 +1,1 @@
+"""The training objective: anchors and blocks, attention visibility, the fused LM-head loss, metrics."""

@@ -1,0 +1,1 @@
+"""Run control: recipes and arguments, the HF Trainer subclass, checkpoints, preemption, liveness."""
