@@ -44,7 +44,8 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective.loss import configure_selector_training, draft_objective, loss_denominator
-from trainer.plan.memory import GIB, plan_run
+from trainer.plan.facts import GIB
+from trainer.plan.memory import plan_run
 from trainer.training.arguments import parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]

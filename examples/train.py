@@ -18,65 +18,20 @@ from pathlib import Path
 import torch
 import transformers
 
-from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.cli import run
 from trainer.data.dataset import DFlashCollator, build_datasets
 from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.models.config_bounds import FLOAT32_BYTES, check_draft_config, read_config_file
+from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget, check_target_sharding
-from trainer.models.warm_start import check_init_from, warm_start
 from trainer.training.arguments import parse_arguments
 from trainer.training.distributed import close_process_group
 from trainer.training.preemption import TrainingInterrupted
-from trainer.training.recipe_files import DEFAULT_RECIPE, resolve_path  # tests import both from here too
+from trainer.training.recipe_files import DEFAULT_RECIPE
 from trainer.training.trainer import DFlash2Trainer
 from trainer.training.watchdog import start_watchdog
 
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
-
-
-def build_draft(model_args):
-    """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
-    # every config is read alone and its sizes and memory checked before a model is built from it
-    if model_args.draft_config:
-        path = resolve_path(model_args.draft_config)
-        check_draft_config(
-            read_config_file(path, "draft_config"),
-            f"draft_config {path}",
-            purpose="building this draft",
-            bytes_per_parameter=FLOAT32_BYTES,
-            detail="its fp32 weights",
-        )
-        config = DFlash2Config.from_json_file(path)
-    elif model_args.init_from:
-        config = DFlash2Config.from_pretrained(check_init_from(model_args.init_from))
-        if not config.is_dflash2:
-            raise ValueError("init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules.")
-    else:
-        raise ValueError("draft_config is required (or init_from a DFlash2 checkpoint).")
-    config._attn_implementation = model_args.attn_implementation
-    if model_args.init_from:
-        draft = warm_start(
-            model_args.init_from, config, allow_block_size_change=model_args.init_allow_block_size_change
-        )
-    else:
-        # a v1 config (no conv, no selector) trains a DFlash v1 draft with the same objective
-        draft = DFlash2DraftModel(config) if config.is_dflash2 else DFlashDraftModel(config)
-    if model_args.lora_r > 0:
-        if not model_args.init_from:
-            raise ValueError("lora_r > 0 fine-tunes a warm-started draft: set init_from.")
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
-            task_type=None,
-        )
-        draft = get_peft_model(draft, lora)
-    return draft
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -8,6 +8,7 @@ import pytest
 
 from examples import prepare, train
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget
 
 
@@ -36,9 +37,9 @@ def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
     from trainer.training.arguments import ModelArguments
 
     (tmp_path / "v1.json").write_text(json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text()))))
-    draft = train.build_draft(ModelArguments(target="unused", draft_config=str(tmp_path / "v1.json")))
+    draft = build_draft(ModelArguments(target="unused", draft_config=str(tmp_path / "v1.json")))
     assert type(draft) is DFlashDraftModel
-    assert type(train.build_draft(ModelArguments(target="unused", draft_config=str(DRAFT_CONFIG)))) is DFlash2DraftModel
+    assert type(build_draft(ModelArguments(target="unused", draft_config=str(DRAFT_CONFIG)))) is DFlash2DraftModel
 
 
 @pytest.mark.parametrize(

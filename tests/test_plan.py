@@ -22,17 +22,9 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import tiny_config_kwargs
 from trainer.cli import run
 from trainer.models.target import TargetSource
-from trainer.plan.memory import (
-    GIB,
-    PARTS,
-    draft_facts,
-    main,
-    plan_memory,
-    plan_run,
-    run_facts,
-    target_config_location,
-    target_facts,
-)
+from trainer.plan.cli import main
+from trainer.plan.facts import GIB, draft_facts, run_facts, target_config_location, target_facts
+from trainer.plan.memory import PARTS, plan_memory, plan_run
 from trainer.training.arguments import parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
@@ -374,7 +366,7 @@ def test_mismatched_target_is_refused(capsys, tiny_recipe):
 
 def test_module_entry_point_exit_status():
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.plan.memory", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
+        [sys.executable, "-m", "trainer.plan", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
         cwd=REPO,
         capture_output=True,
         text=True,

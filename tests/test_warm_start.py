@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from modeling_dflash2 import DFlashDraftModel
 from tests.conftest import draft_inputs, randomize, rewrite_safetensors
 from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.models.draft import build_draft
 from trainer.models.warm_start import warm_start
 
 IGNORED = ("auto_map", "transformers_version", "_name_or_path")
@@ -160,7 +161,7 @@ def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(
     for name, tensor in source.state_dict().items():
         assert received[name].dtype == torch.float32, name
         assert torch.equal(received[name], tensor), name
-    draft = train.build_draft(parse_arguments([str(recipe)])[0]).eval()
+    draft = build_draft(parse_arguments([str(recipe)])[0]).eval()
     inputs = draft_inputs(draft.config, batch=1, context=5)
     with torch.no_grad():
         assert torch.equal(draft(**inputs), source.eval()(**inputs))

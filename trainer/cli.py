@@ -91,7 +91,7 @@ class CommandParser(argparse.ArgumentParser):
     (argparse itself would print its usage block and exit 2 from deep inside `parse_args`)."""
 
     def error(self, message: str) -> NoReturn:
-        raise ValueError(f"{self.prog}: {message}")
+        raise ValueError(message)
 
 
 def command_parser(prog: str, doc: str | None, **kwargs: Any) -> CommandParser:

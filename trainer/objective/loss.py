@@ -275,10 +275,11 @@ def _head_pass(
     )
 
 
-def selector_chunk_blocks(config: ObjectiveConfig, vocab_size: int, rank: int, top_k: int) -> int:
+def selector_chunk_blocks(chunk_blocks: int, vocab_size: int, rank: int, top_k: int) -> int:
     """Blocks per selector chunk: its [rows, K, r] codebook rows take no more memory than one LM-head
-    chunk's [rows, V] logits, so the selector never raises the loss head's peak."""
-    return config.chunk_blocks * max(1, vocab_size // max(1, top_k * rank))
+    chunk's [rows, V] logits of `chunk_blocks` blocks, so the selector never raises the loss head's
+    peak (the planner sizes the loss head with this same function)."""
+    return chunk_blocks * max(1, vocab_size // max(1, top_k * rank))
 
 
 @dataclass
@@ -321,7 +322,7 @@ class _SelectorTerm:
             selector_weight = head.position_weights * covered
         gold_index = (candidate_ids == gold[..., None]).float().argmax(dim=-1)
         rank = self.selector.hidden_projection.out_features
-        step = selector_chunk_blocks(self.config, self.head_weight.shape[0], rank, self.selector.top_k)
+        step = selector_chunk_blocks(self.config.chunk_blocks, self.head_weight.shape[0], rank, self.selector.top_k)
         numerator = proposal_hidden.new_zeros((), dtype=torch.float32)
         scores, lattices = [], []
         for start in range(0, labels.shape[0], step):
