@@ -4,11 +4,14 @@ Same weights and batches for both; the packed context length varies from batch t
 real run, so the graphs compiled after the first step show how often a new length recompiles
 (once per layer, to a dynamic length, then never). Reports the first (compiling) step, the steady-state s/step of both,
 the speed-up and the largest loss difference.
+
+python -m benchmarks.compile_step [--setup smollm2|large|tiny] [--device cpu] [--repeats 3] prints them as JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 
@@ -17,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from benchmarks import setups
 from benchmarks.train_step import optimized_step, synchronize
+from trainer.cli import command_parser, run
 from trainer.models.compile import compile_decoder_layers
 from trainer.objective.loss import ObjectiveConfig
 
@@ -71,7 +75,21 @@ def bench_compile(setup: setups.StepSetup | None = None, device: str = "cpu", re
     }
 
 
-if __name__ == "__main__":
-    import json
+SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup, "tiny": setups.tiny_setup}
 
-    print(json.dumps(bench_compile(), indent=2))
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = command_parser("python -m benchmarks.compile_step", __doc__)
+    parser.add_argument("--setup", choices=tuple(SETUPS), default="smollm2")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of two steps per model")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    result = bench_compile(SETUPS[args.setup](), args.device, args.repeats)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    run(main)

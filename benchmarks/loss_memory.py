@@ -7,7 +7,9 @@ On CPU each measurement runs in a fresh process: freed heap memory is handed bac
 (`malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), and the peak
 (`VmHWM`) after the loss head minus the resident size before it is the loss head's peak. On CUDA
 it reads the allocator's peak.
-Usage (one measurement): python -m benchmarks.loss_memory SETUP ANCHORS MODE [DEVICE], MODE one of MODES
+
+One measurement, printed as one JSON line (what `sweep` runs in each fresh process):
+python -m benchmarks.loss_memory SETUP ANCHORS MODE [--device DEVICE]
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from benchmarks import setups
 from benchmarks.naive import naive_loss
+from trainer.cli import command_parser, run
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective.loss import ObjectiveConfig, dflash_loss
 
@@ -93,7 +97,7 @@ def sweep(setup_name: str, anchor_counts, device: str = "cpu") -> list[dict]:
                 results.append(measure(setup_name, anchors, mode, device))
                 continue
             output = subprocess.run(
-                [sys.executable, "-m", "benchmarks.loss_memory", setup_name, str(anchors), mode],
+                [sys.executable, "-m", "benchmarks.loss_memory", setup_name, str(anchors), mode, "--device", device],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -104,6 +108,19 @@ def sweep(setup_name: str, anchor_counts, device: str = "cpu") -> list[dict]:
     return results
 
 
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = command_parser("python -m benchmarks.loss_memory", __doc__)
+    parser.add_argument("setup", choices=tuple(SETUPS))
+    parser.add_argument("anchors", type=int)
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    if args.anchors < 1:
+        parser.error("anchors must be at least 1")
+    result = measure(args.setup, args.anchors, args.mode, args.device)
+    print(json.dumps(result))
+    return result
+
+
 if __name__ == "__main__":
-    name, count, chosen = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    print(json.dumps(measure(name, count, chosen, sys.argv[4] if len(sys.argv) > 4 else "cpu")))
+    run(main)

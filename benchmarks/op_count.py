@@ -6,13 +6,14 @@ nested ones included (a composite op and the ops it dispatches to), over one ste
 `draft_forward` is the draft's layers (and the batch preparation of `draft_objective`),
 `objective` the LM head, losses and metrics (`trainer.objective.loss.OBJECTIVE_LABEL`), `backward`
 everything `loss.backward()` runs.
+
+python -m benchmarks.op_count [--setup smollm2|large|tiny] prints both counts as JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import setups
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
+from trainer.cli import command_parser, run
 from trainer.objective.loss import OBJECTIVE_LABEL, ObjectiveConfig
 
 STEP_LABEL = "benchmark::step"
@@ -74,6 +76,18 @@ def op_counts(setup: setups.StepSetup | None = None, device: str = "cpu") -> dic
     return {"dflash2": count_step_ops(setup, device), "dflash_v1": count_step_ops(v1_setup(setup), device)}
 
 
+SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup, "tiny": setups.tiny_setup}
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
+    parser = command_parser("python -m benchmarks.op_count", __doc__)
+    parser.add_argument("--setup", choices=tuple(SETUPS), default="smollm2")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    counts = op_counts(SETUPS[args.setup](), args.device)
+    print(json.dumps(counts, indent=2))
+    return counts
+
+
 if __name__ == "__main__":
-    chosen = {"smollm2": setups.smollm2_setup, "large": setups.large_setup, "tiny": setups.tiny_setup}
-    print(json.dumps(op_counts(chosen[sys.argv[1] if len(sys.argv) > 1 else "smollm2"]()), indent=2))
+    run(main)

@@ -124,3 +124,37 @@ def test_regeneration_benchmark_times_each_way_and_checks_the_tokens():
         endpoint["tokens_per_second"] / batch_1["tokens_per_second"]
     )
     assert "| endpoint, 2 in flight |" in table(result)
+
+
+@pytest.mark.parametrize("module", ["loss_memory", "op_count", "compile_step"])
+def test_benchmark_commands_print_usage_for_help(module, capsys):
+    """`python -m benchmarks.<module> --help` prints the usage and exits 0 (it crashed or was ignored)."""
+    import importlib
+
+    from trainer.cli import run as run_command
+
+    with pytest.raises(SystemExit) as stop:
+        run_command(importlib.import_module(f"benchmarks.{module}").main, ["--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{module}")
+
+
+def test_loss_memory_command_measures_one_point_and_refuses_bad_arguments(capsys):
+    from benchmarks import loss_memory
+    from trainer.cli import run as run_command
+
+    result = loss_memory.main(["tiny", "8", "chunked"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert result["anchors"] == 8 and result["mode"] == "chunked" and result["peak_bytes"] > 0
+    with pytest.raises(SystemExit) as stop:
+        run_command(loss_memory.main, ["tiny", "0", "chunked"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: anchors must be at least 1"
+
+
+def test_op_count_command_takes_its_setup(capsys):
+    from benchmarks import op_count
+
+    counts = op_count.main(["--setup", "tiny"])
+    assert json.loads(capsys.readouterr().out) == counts
+    assert counts == op_count.op_counts(setups.tiny_setup())
