@@ -213,3 +213,59 @@ def test_endpoint_names_of_the_generation_settings_are_the_same_fields(tmp_path)
     recipe.write_text(yaml.safe_dump({**base, "regenerate_max_tokens": 512, "max_new_tokens": 256}))
     with pytest.raises(ValueError, match="the recipe sets both regenerate_max_tokens and max_new_tokens"):
         parse_arguments([str(recipe)])
+
+
+# -- the objective's knobs: declared once in ObjectiveConfig, inherited by the training arguments --------------
+
+# A value other than the default for every ObjectiveConfig field (a new field must be added here too).
+OBJECTIVE_NON_DEFAULTS = {
+    "num_anchors": 37,
+    "loss_type": "dpace",
+    "gamma": 2.5,
+    "dpace_alpha": 0.25,
+    "dpace_weighting": "suffix",
+    "kd_weight": 0.4,
+    "kd_temperature": 1.5,
+    "chunk_blocks": 3,
+    "selector_alpha": 0.6,
+    "selector_warmup_ratio": 0.1,
+    "selector_ramp_ratio": 0.2,
+    "selector_gold": "insert",
+    "selector_stop_gradient": True,
+}
+
+
+def test_every_objective_field_is_a_training_argument_with_its_default_and_help():
+    from trainer.objective.loss import ObjectiveConfig, recipe_key
+
+    arguments = {f.name: f for f in dataclasses.fields(DFlashTrainingArguments)}
+    for knob in dataclasses.fields(ObjectiveConfig):
+        argument = arguments[recipe_key(knob)]
+        assert argument.default == knob.default, knob.name
+        assert argument.metadata["help"] == knob.metadata["help"] and knob.metadata["help"], knob.name
+    assert recipe_key(next(f for f in dataclasses.fields(ObjectiveConfig) if f.name == "chunk_blocks")) == (
+        "loss_chunk_blocks"
+    )  # the recipes' key since the first release
+
+
+def test_objective_config_round_trips_every_field_from_the_recipe(tmp_path):
+    from trainer.objective.loss import ObjectiveConfig, recipe_key
+
+    assert set(OBJECTIVE_NON_DEFAULTS) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    defaults = ObjectiveConfig()
+    assert all(getattr(defaults, name) != value for name, value in OBJECTIVE_NON_DEFAULTS.items())
+    keys = {recipe_key(f): OBJECTIVE_NON_DEFAULTS[f.name] for f in dataclasses.fields(ObjectiveConfig)}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"target": "t", "draft_config": "d.json", "output_dir": str(tmp_path), **keys}))
+    _, _, training = parse_arguments([str(recipe)])
+    assert training.objective_config() == ObjectiveConfig(**OBJECTIVE_NON_DEFAULTS)
+
+
+def test_help_lists_every_objective_recipe_key(capsys):
+    from trainer.objective.loss import ObjectiveConfig, recipe_key
+
+    with pytest.raises(SystemExit):
+        parse_arguments(["--help"])
+    shown = capsys.readouterr().out
+    for knob in dataclasses.fields(ObjectiveConfig):
+        assert f"--{recipe_key(knob)} " in shown, knob.name

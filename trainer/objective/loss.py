@@ -22,7 +22,8 @@ micro-batches and ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,36 +48,56 @@ def default_gamma(block_size: int) -> float | None:
     return {16: 7.0, 8: 4.0}.get(block_size)
 
 
+RECIPE_KEY = "recipe_key"  # field metadata: the recipe key of a field whose recipe name differs from its own
+
+
+def _knob(default: Any, help: str, recipe_key: str | None = None) -> Any:
+    """A field with its default and the help text `--help` prints for its recipe key."""
+    metadata = {"help": help, **({RECIPE_KEY: recipe_key} if recipe_key else {})}
+    return field(default=default, metadata=metadata)
+
+
+def recipe_key(knob: Field) -> str:
+    """The recipe key (and training-argument name) of one of ObjectiveConfig's fields."""
+    return knob.metadata.get(RECIPE_KEY, knob.name)
+
+
 @dataclass
 class ObjectiveConfig:
     """Knobs of the objective. Defaults are those of the published recipes where they name one.
 
-    gamma: decay constant; None picks `default_gamma(block_size)`, 0 disables decay.
-    loss_type: "ce" (gamma-decayed CE), "dpace" (dynamic position-aware CE, weight `dpace_weighting`:
-        "full" = W_k, "prefix" = P_k, "suffix" = W_k / P_k) or "kd" (gamma-decayed distillation from
-        the target: "ce" with kd_weight 1).
-    kd_weight: w in [0, 1]; each slot's loss is (1 - w) CE + w T^2 KL(target || draft) at temperature
-        `kd_temperature`. None: 1 for "kd", 0 (no distillation) otherwise.
-    chunk_blocks: blocks per LM-head chunk.
-    selector_alpha / selector_warmup_ratio / selector_ramp_ratio: the selector weight schedule.
-    selector_gold: "skip" (gold outside the strict top-K gets weight 0, as serving never injects
-        gold) or "insert" (gold replaces the weakest candidate, training only).
-    selector_stop_gradient: the selector term does not reach the backbone.
+    Each field is declared here once, with its help text: `DFlashTrainingArguments` inherits them
+    under their recipe keys (`recipe_key`; only `chunk_blocks` is spelled `loss_chunk_blocks` there)
+    and `objective_config()` builds this from them, so the validation below is the only one.
     """
 
-    num_anchors: int = 512
-    loss_type: str = "ce"
-    gamma: float | None = None
-    dpace_alpha: float = 0.5
-    dpace_weighting: str = "full"
-    kd_weight: float | None = None
-    kd_temperature: float = 1.0
-    chunk_blocks: int = 16
-    selector_alpha: float = 1.0
-    selector_warmup_ratio: float = 0.0
-    selector_ramp_ratio: float = 0.0
-    selector_gold: str = "skip"
-    selector_stop_gradient: bool = False
+    num_anchors: int = _knob(512, "Anchor (block) slots per sequence.")
+    loss_type: str = _knob(
+        "ce",
+        "ce (gamma-decayed CE) | dpace (dynamic position-aware CE, weights from dpace_weighting) | kd "
+        "(gamma-decayed distillation from the target: ce with kd_weight 1).",
+    )
+    gamma: float | None = _knob(None, "Position decay exp(-(k-1)/gamma); unset: 7 for B=16, 4 for B=8; 0: off.")
+    dpace_alpha: float = _knob(0.5, "D-PACE smoothing in [0, 1]: s_k = (1 - alpha) exp(-l_k) + alpha.")
+    dpace_weighting: str = _knob("full", "D-PACE weights: full (W_k) | prefix (P_k) | suffix (W_k / P_k).")
+    kd_weight: float | None = _knob(
+        None, "Share of distillation in each slot's loss, (1 - w) CE + w T^2 KL; unset: 1 for kd, else 0."
+    )
+    kd_temperature: float = _knob(1.0, "Temperature of both distributions in the KD term.")
+    chunk_blocks: int = _knob(
+        16,
+        "Blocks per LM-head chunk: one chunk of logits is the loss head's peak memory.",
+        recipe_key="loss_chunk_blocks",
+    )
+    selector_alpha: float = _knob(1.0, "Weight of the selector's cross-entropy; 0 freezes the selector.")
+    selector_warmup_ratio: float = _knob(0.0, "Share of the steps before the selector term starts (alpha 0).")
+    selector_ramp_ratio: float = _knob(0.0, "Share of the steps over which alpha then ramps up to selector_alpha.")
+    selector_gold: str = _knob(
+        "skip",
+        "skip (gold outside the strict top-K gets weight 0, as serving never injects gold) | insert (gold "
+        "replaces the weakest candidate, training only).",
+    )
+    selector_stop_gradient: bool = _knob(False, "The selector term does not reach the backbone.")
 
     def __post_init__(self) -> None:
         if self.num_anchors < 1:

@@ -9,14 +9,15 @@ recipe path override it. Every value is converted to its field's type or refused
 from __future__ import annotations
 
 import difflib
-from dataclasses import MISSING, dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from trainer.objective.loss import ObjectiveConfig
+from trainer.objective.loss import ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 from trainer.training.recipe_types import convert, field_choices, field_types
 
@@ -125,30 +126,29 @@ class DataArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
 
 
+def _objective_arguments() -> type:
+    """ObjectiveConfig's fields under their recipe keys, with the same defaults and help: the training
+    arguments inherit them, so an objective knob is declared once, in `ObjectiveConfig`."""
+    hints = typing.get_type_hints(ObjectiveConfig)
+    declared = [
+        (recipe_key(knob), hints[knob.name], field(default=knob.default, metadata={"help": knob.metadata["help"]}))
+        for knob in fields(ObjectiveConfig)
+    ]
+    arguments = make_dataclass("ObjectiveArguments", declared)
+    arguments.__module__ = __name__
+    arguments.__doc__ = "The objective's knobs as recipe keys (derived from ObjectiveConfig; validated there)."
+    return arguments
+
+
+ObjectiveArguments = _objective_arguments()
+
+
 @dataclass
-class DFlashTrainingArguments(TrainingArguments):
-    num_anchors: int = field(default=512, metadata={"help": "Anchor (block) slots per sequence."})
+class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
     eval_num_anchors: int | None = field(
         default=None,
         metadata={"help": "Evaluation anchors per sequence, taken in order; unset: every valid position."},
     )
-    loss_type: str = field(default="ce", metadata={"help": "ce | dpace | kd"})
-    gamma: float | None = field(default=None, metadata={"help": "Decay; unset: 7 for B=16, 4 for B=8; 0: off."})
-    dpace_alpha: float = 0.5
-    dpace_weighting: str = "full"
-    kd_weight: float | None = field(
-        default=None,
-        metadata={"help": "Share of distillation in each slot's loss, (1 - w) CE + w KD; unset: 1 for kd, else 0."},
-    )
-    kd_temperature: float = field(default=1.0, metadata={"help": "Temperature of both distributions in the KD term."})
-    loss_chunk_blocks: int = field(
-        default=16, metadata={"help": "Blocks per LM-head chunk: one chunk of logits is the loss head's peak memory."}
-    )
-    selector_alpha: float = 1.0
-    selector_warmup_ratio: float = 0.0
-    selector_ramp_ratio: float = 0.0
-    selector_gold: str = field(default="skip", metadata={"help": "skip | insert"})
-    selector_stop_gradient: bool = False
     spec_eval_prompts: int = field(
         default=0, metadata={"help": "Held-out prompts decoded for real at each evaluation (eval_spec_tau); 0 = off."}
     )
@@ -189,21 +189,8 @@ class DFlashTrainingArguments(TrainingArguments):
         self.objective_config()  # validate early
 
     def objective_config(self) -> ObjectiveConfig:
-        return ObjectiveConfig(
-            num_anchors=self.num_anchors,
-            loss_type=self.loss_type,
-            gamma=self.gamma,
-            dpace_alpha=self.dpace_alpha,
-            dpace_weighting=self.dpace_weighting,
-            kd_weight=self.kd_weight,
-            kd_temperature=self.kd_temperature,
-            chunk_blocks=self.loss_chunk_blocks,
-            selector_alpha=self.selector_alpha,
-            selector_warmup_ratio=self.selector_warmup_ratio,
-            selector_ramp_ratio=self.selector_ramp_ratio,
-            selector_gold=self.selector_gold,
-            selector_stop_gradient=self.selector_stop_gradient,
-        )
+        """The objective from its recipe keys (every ObjectiveConfig field; validated there)."""
+        return ObjectiveConfig(**{knob.name: getattr(self, recipe_key(knob)) for knob in fields(ObjectiveConfig)})
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, DFlashTrainingArguments)
