@@ -328,7 +328,12 @@ def test_greedy_speculative_decoding_on_cuda_equals_target_greedy(cuda_pair, use
         reference = greedy_generate(target, prompt, NEW_TOKENS)
         assert smallest_margin(target, prompt, reference) > 1e-3
         result = spec_generate(
-            target, draft, torch.tensor([prompt]), NEW_TOKENS, stop_token_ids=stops, use_selector=use_selector
+            target,
+            draft,
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            stop_token_ids=stops,
+            use_selector=use_selector,
         )
         assert result.tokens == reference
         assert sum(result.acceptance_lengths) == len(reference) - 1
@@ -339,8 +344,8 @@ def test_partial_acceptance_on_cuda_keeps_caches_exact(cuda_pair, monkeypatch):
     """Every step accepts exactly two proposals, so cache cropping runs at every step."""
     target, draft = cuda_pair
     prompt = PROMPTS[0]
-    greedy = target_generate(target, torch.tensor([prompt]), 40).tokens
+    greedy = target_generate(target, torch.tensor([prompt]), max_new_tokens=40).tokens
     monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy, wrong=2))  # proposes on hidden.device
-    result = spec_generate(target, draft, torch.tensor([prompt]), 25)
+    result = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=25)
     assert result.tokens == greedy[:25]
     assert result.acceptance_lengths[:-1] == [3] * (len(result.acceptance_lengths) - 1)

@@ -129,8 +129,8 @@ def test_greedy_speculative_decoding_is_lossless_on_smollm2(smollm2, draft_confi
         )["input_ids"]
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)
         greedy = reference[0, len(prompt) :].tolist()
-        assert spec_generate(model, draft, torch.tensor([prompt]), 16).tokens == greedy
+        assert spec_generate(model, draft, torch.tensor([prompt]), max_new_tokens=16).tokens == greedy
     # partial acceptance through the real model's caches: every step accepts exactly 3 proposals
     monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy + [0] * 16, 3))
-    result = spec_generate(model, draft, torch.tensor([prompt]), 16)
+    result = spec_generate(model, draft, torch.tensor([prompt]), max_new_tokens=16)
     assert result.tokens == greedy and result.acceptance_lengths[:3] == [4, 4, 4]

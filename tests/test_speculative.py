@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter
 
@@ -38,7 +39,7 @@ def pair(request):
 def test_greedy_speculative_output_equals_target_greedy_generate(pair, use_selector):
     target, draft = pair
     for prompt in PROMPTS:
-        result = spec_generate(target, draft, torch.tensor([prompt]), 20, use_selector=use_selector)
+        result = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=20, use_selector=use_selector)
         assert result.tokens == greedy_reference(target, prompt, 20)
         assert sum(result.acceptance_lengths) == 19  # every token after the first came from a step
         assert all(1 <= n <= draft.block_size for n in result.acceptance_lengths)
@@ -69,7 +70,7 @@ def test_partial_acceptance_keeps_caches_and_context_exact(pair, monkeypatch, wr
     prompt = PROMPTS[0]
     greedy = greedy_reference(target, prompt, 40)
     monkeypatch.setattr(draft, "block_proposals", OracleProposals(greedy, wrong))
-    result = spec_generate(target, draft, torch.tensor([prompt]), 25)
+    result = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=25)
     assert result.tokens == greedy[:25]
     per_step = wrong + 1  # accepted proposals + the target's token (all 3 accepted when wrong == 3)
     assert result.acceptance_lengths[:-1] == [per_step] * (len(result.acceptance_lengths) - 1)
@@ -80,7 +81,7 @@ def test_stop_tokens_end_generation_like_generate(pair):
     prompt = PROMPTS[1]
     free = greedy_reference(target, prompt, 30)
     stop = free[6]
-    result = spec_generate(target, draft, torch.tensor([prompt]), 30, stop_token_ids=[stop])
+    result = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=30, stop_token_ids=[stop])
     assert result.tokens == greedy_reference(target, prompt, 30, eos=stop)
     assert result.tokens[-1] == stop and stop not in result.tokens[:-1]
 
@@ -88,7 +89,7 @@ def test_stop_tokens_end_generation_like_generate(pair):
 def test_batch_size_one_only(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="batch size 1"):
-        spec_generate(target, draft, torch.tensor([[1, 2], [3, 4]]), 4)
+        spec_generate(target, draft, torch.tensor([[1, 2], [3, 4]]), max_new_tokens=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +174,13 @@ def test_sampled_speculative_output_follows_the_target_distribution(small_vocab_
     accepted = 0
     for _ in range(samples):
         result = spec_generate(
-            target, draft, torch.tensor([prompt]), length, temperature, use_selector=use_selector, generator=generator
+            target,
+            draft,
+            torch.tensor([prompt]),
+            max_new_tokens=length,
+            temperature=temperature,
+            use_selector=use_selector,
+            generator=generator,
         )
         counts[tuple(result.tokens)] += 1
         accepted += sum(result.acceptance_lengths) - len(result.acceptance_lengths)
@@ -191,7 +198,11 @@ def test_the_chi_square_check_catches_a_wrong_distribution(small_vocab_pair):
     expected = exact_joint(target, prompt, 3, 1.0)
     generator = torch.Generator().manual_seed(12)
     counts = Counter(
-        tuple(target_generate(target, torch.tensor([prompt]), 3, 1.6, generator=generator).tokens)
+        tuple(
+            target_generate(
+                target, torch.tensor([prompt]), max_new_tokens=3, temperature=1.6, generator=generator
+            ).tokens
+        )
         for _ in range(samples)
     )
     assert chi_square_p_value(counts, expected, samples) < 1e-3
@@ -199,5 +210,27 @@ def test_the_chi_square_check_catches_a_wrong_distribution(small_vocab_pair):
 
 def test_target_generate_greedy_matches_generate(pair):
     target, _ = pair
-    assert target_generate(target, torch.tensor([PROMPTS[2]]), 15).tokens == greedy_reference(target, PROMPTS[2], 15)
-    assert not math.isnan(target_generate(target, torch.tensor([PROMPTS[2]]), 3).mean_acceptance)
+    assert target_generate(target, torch.tensor([PROMPTS[2]]), max_new_tokens=15).tokens == greedy_reference(
+        target, PROMPTS[2], 15
+    )
+    assert not math.isnan(target_generate(target, torch.tensor([PROMPTS[2]]), max_new_tokens=3).mean_acceptance)
+
+
+def test_wrappers_refuse_positional_decoding_settings(pair):
+    """The shipped `draft.spec_generate` orders (max_new_tokens, stop_token_ids, temperature), the wrapper
+    (max_new_tokens, temperature, stop_token_ids): positional settings would be swapped silently, so none are
+    taken."""
+    target, draft = pair
+    prompt = torch.tensor([PROMPTS[0]])
+    with pytest.raises(TypeError):
+        spec_generate(target, draft, prompt, 4)
+    with pytest.raises(TypeError):
+        spec_generate(target, draft, prompt, 4, 0.7)
+    with pytest.raises(TypeError):
+        target_generate(target, prompt, 4)
+    with pytest.raises(TypeError):
+        target_generate(target, prompt, 4, 0.7)
+    for wrapper in (spec_generate, target_generate):
+        after_ids = list(inspect.signature(wrapper).parameters.values())[3 if wrapper is spec_generate else 2 :]
+        assert all(parameter.kind is inspect.Parameter.KEYWORD_ONLY for parameter in after_ids), wrapper.__name__
+    assert len(spec_generate(target, draft, prompt, max_new_tokens=4, temperature=0.0).tokens) == 4

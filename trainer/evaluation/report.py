@@ -61,7 +61,14 @@ def evaluate_paths(
     generator = torch.Generator(device=device).manual_seed(seed)
     baseline = [
         target_generate(
-            target, torch.tensor([p]), max_new_tokens, temperature, stop_token_ids, generator, top_p=top_p, top_k=top_k
+            target,
+            torch.tensor([p]),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_token_ids=stop_token_ids,
+            generator=generator,
+            top_p=top_p,
+            top_k=top_k,
         )
         for p in prompts
     ]
@@ -86,9 +93,9 @@ def evaluate_paths(
                     target,
                     draft,
                     torch.tensor([p]),
-                    max_new_tokens,
-                    temperature,
-                    stop_token_ids,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    stop_token_ids=stop_token_ids,
                     use_selector=path == "selector",
                     generator=generator,
                     top_p=top_p,
@@ -266,7 +273,11 @@ class SpeculativeEvalCallback(TrainerCallback):
         was_training = draft.training
         results = [
             spec_generate(
-                trainer.target.model, draft, torch.tensor([p]), self.max_new_tokens, stop_token_ids=self.stop_token_ids
+                trainer.target.model,
+                draft,
+                torch.tensor([p]),
+                max_new_tokens=self.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
             )
             for p in self.prompts
         ]

@@ -37,6 +37,7 @@ def spec_generate(
     target: nn.Module,
     draft: DFlashDraftModel,
     input_ids: torch.Tensor,
+    *,
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_token_ids: list[int] | None = None,
@@ -45,15 +46,17 @@ def spec_generate(
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> SpeculativeResult:
-    """`draft.spec_generate(...)` with statistics, as a `SpeculativeResult`."""
+    """`draft.spec_generate(...)` with statistics, as a `SpeculativeResult`. Keyword-only after
+    `input_ids`: the shipped call orders (max_new_tokens, stop_token_ids, temperature) differently,
+    so a positional call written for one would swap two arguments of the other silently."""
     output = draft.spec_generate(
         target,
         input_ids,
-        max_new_tokens,
-        stop_token_ids,
-        temperature,
-        top_p,
-        top_k,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
         return_stats=True,
         use_selector=use_selector,
         generator=generator,
@@ -64,6 +67,7 @@ def spec_generate(
 def target_generate(
     target: nn.Module,
     input_ids: torch.Tensor,
+    *,
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_token_ids: list[int] | None = None,
@@ -71,7 +75,8 @@ def target_generate(
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> SpeculativeResult:
-    """The target alone, one token per step through the same loop and calls (the baseline)."""
+    """The target alone, one token per step through the same loop and calls (the baseline); keyword-only
+    after `input_ids`, like `spec_generate`."""
     output = speculative_generate(
         target,
         None,

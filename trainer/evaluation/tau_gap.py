@@ -161,8 +161,8 @@ def decode_and_force(
     output = draft.spec_generate(
         target.model,
         torch.tensor([list(prompt)], device=target.device),
-        max_new_tokens,
-        stop_token_ids,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
         return_stats=True,
         use_selector=path == "selector",
     )
