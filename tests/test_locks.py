@@ -160,3 +160,32 @@ def test_a_second_training_on_the_same_output_dir_stops_and_the_first_keeps_its_
         json.loads((c / "dflash2_recipe.json").read_text())["training_arguments"]["learning_rate"] for c in checkpoints
     }
     assert rates == {0.005}
+
+
+def test_a_holder_caught_between_clearing_its_record_and_unlocking_is_not_a_stranger(tmp_path, monkeypatch):
+    """release() empties the record, then unlocks (and acquire() locks, then writes itself in): a
+    peer of the same job polling in that moment used to read an empty record and stop with "in use by
+    another run (another process (it recorded no details))". Here the holder stays in that moment for
+    0.5 s: the peer must wait it out and take the lock."""
+    entry = tmp_path / "features" / "abc"
+    lock_file = entry_lock_file(entry)
+    lock_file.parent.mkdir(parents=True)
+    code = (
+        "import fcntl, os, sys, time\n"
+        f"descriptor = os.open({str(lock_file)!r}, os.O_RDWR | os.O_CREAT, 0o644)\n"
+        "fcntl.flock(descriptor, fcntl.LOCK_EX)\n"
+        "os.ftruncate(descriptor, 0)\n"
+        f"print({READY!r}, flush=True)\n"
+        "time.sleep(0.5)\n"
+        "fcntl.flock(descriptor, fcntl.LOCK_UN)\n"
+        "time.sleep(30)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == READY
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+        with lock_cache_entry(entry, "feature store") as taken:
+            assert taken.holder()["pid"] == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

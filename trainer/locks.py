@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 RUN_LOCK_NAME = ".dflash2-run.lock"
 SAME_JOB_POLL_SECONDS = 0.5
 SAME_JOB_WAIT_SECONDS = 24 * 3600.0  # a peer rank regenerating or capturing a large cache entry
+# A holder's record is empty for a moment twice: between its flock and writing itself in, and between
+# clearing it and unlocking. An empty record is read again for this long before it counts as a stranger.
+EMPTY_RECORD_GRACE_SECONDS = 2.0
+EMPTY_RECORD_POLL_SECONDS = 0.02
 
 
 class FolderInUseError(OSError):
@@ -112,6 +116,7 @@ class FolderLock:
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.same_job_wait
+        empty_record_deadline = time.monotonic() + EMPTY_RECORD_GRACE_SECONDS
         waited = False
         try:
             while True:
@@ -122,6 +127,9 @@ class FolderLock:
                     if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                         raise
                 holder = self.holder()
+                if not holder and time.monotonic() < empty_record_deadline:
+                    time.sleep(EMPTY_RECORD_POLL_SECONDS)  # taking or releasing the lock: look again
+                    continue
                 mine = job_id()
                 if mine is None or holder.get("job") != mine:
                     raise FolderInUseError(
