@@ -402,7 +402,7 @@ def test_target_dimensions_from_a_local_target(tmp_path, target):
 
 
 def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
-    from examples import export as export_cli
+    from trainer.publishing import export_command as export_cli
 
     target.model.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "checkpoint")
@@ -420,7 +420,7 @@ def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
 
 
 def test_cli_embeds_one_evaluation_report_per_benchmark(tmp_path, target, draft):
-    from examples import export as export_cli
+    from trainer.publishing import export_command as export_cli
 
     target.model.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "checkpoint")
@@ -508,8 +508,8 @@ def test_a_bare_checkpoints_config_is_checked_too(tmp_path, draft):
 def test_export_of_a_huge_block_size_is_refused_at_once_not_after_minutes_of_rule_20(tmp_path, target, draft, capsys):
     """The reported case: a config.json saying block_size 1000000 ran the round trip's forward for
     ten minutes. Now it is refused in one line, long before any forward."""
-    from examples import export as export_cli
     from trainer.cli import run
+    from trainer.publishing import export_command as export_cli
 
     target.model.save_pretrained(tmp_path / "target")
     checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft, dflash={"block_size": 1000000})
@@ -558,3 +558,24 @@ def test_available_memory_is_read_from_this_machine():
         * 1024
     )
     assert 0 < available_memory() <= total
+
+
+def test_a_failing_overwrite_keeps_the_earlier_export_whole(tmp_path, target, draft, monkeypatch):
+    """The swap into place fails (a full disk, a permission): the earlier export is still there, unchanged,
+    and the new copy written beside it is cleaned up."""
+    import trainer.fileio as fileio
+
+    out = export_draft(draft, tmp_path / "export", target=_dims(target))
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    real_replace = fileio.os.replace
+
+    def replace(source, destination):
+        if Path(source).name.startswith(".export.new-"):
+            raise OSError(28, "No space left on device")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    with pytest.raises(OSError, match="No space"):
+        export_draft(randomize(draft, seed=1), out, target=_dims(target), overwrite=True)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export"]

@@ -237,3 +237,90 @@ def test_the_check_returns_the_tensor_entries(tmp_path):
         "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
     }
     check_safetensors_file(raw_safetensors(tmp_path / "zero.safetensors", zero, 4))  # empty tensors tile too
+
+
+# -- replace_directory / remove_directory: the old folder is never lost ----------------------------------------
+
+
+def _folder(path: Path, **files: str) -> Path:
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
+
+
+def _contents(path: Path) -> dict[str, str]:
+    return {child.name: child.read_text() for child in sorted(path.iterdir())}
+
+
+def test_replace_directory_swaps_the_new_folder_in_and_drops_the_old(tmp_path):
+    from trainer.fileio import replace_directory
+
+    old = _folder(tmp_path / "export", config="old", stale="only in the old one")
+    new = _folder(tmp_path / ".export.new", config="new")
+    replace_directory(new, old)
+    assert _contents(old) == {"config": "new"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export"]  # no aside copy left
+
+
+def test_replace_directory_without_an_old_folder(tmp_path):
+    from trainer.fileio import replace_directory
+
+    replace_directory(_folder(tmp_path / "staged", a="1"), tmp_path / "final")
+    assert _contents(tmp_path / "final") == {"a": "1"} and not (tmp_path / "staged").exists()
+
+
+def test_a_failing_swap_puts_the_old_folder_back(tmp_path, monkeypatch):
+    import trainer.fileio as fileio
+
+    old = _folder(tmp_path / "checkpoint-4", weights="old")
+    new = _folder(tmp_path / "staged", weights="new")
+    real_replace, calls = fileio.os.replace, []
+
+    def replace(source, destination):
+        calls.append((Path(source).name, Path(destination).name))
+        if Path(source) == new:
+            raise OSError(28, "No space left on device")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    with pytest.raises(OSError, match="No space"):
+        fileio.replace_directory(new, old, aside_prefix=".deleting-")
+    assert _contents(old) == {"weights": "old"}  # under its own name again, whole
+    assert _contents(new) == {"weights": "new"}  # left for the caller
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-4", "staged"]
+    assert calls[0][1].startswith(".deleting-checkpoint-4-") and calls[-1] == (calls[0][1], "checkpoint-4")
+
+
+def test_a_failing_first_rename_changes_nothing(tmp_path, monkeypatch):
+    import trainer.fileio as fileio
+
+    old = _folder(tmp_path / "export", a="old")
+    new = _folder(tmp_path / "new", a="new")
+
+    def replace(source, destination):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    with pytest.raises(PermissionError):
+        fileio.replace_directory(new, old)
+    assert _contents(old) == {"a": "old"} and _contents(new) == {"a": "new"}
+
+
+def test_remove_directory_renames_aside_before_deleting(tmp_path, monkeypatch):
+    import trainer.fileio as fileio
+
+    folder = _folder(tmp_path / "checkpoint-1", a="1")
+    deleted = []
+    real_rmtree = fileio.shutil.rmtree
+
+    def rmtree(path, ignore_errors=False):
+        deleted.append(Path(path).name)
+        assert not folder.exists()  # never half-deleted under its own name
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(fileio.shutil, "rmtree", rmtree)
+    fileio.remove_directory(folder, aside_prefix=".deleting-")
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+    assert len(deleted) == 1 and deleted[0].startswith(".deleting-checkpoint-1-")
+    fileio.remove_directory(folder)  # already gone: nothing to do

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ def reporting_disk_full(what: str, path: Path, kept: str = "") -> Iterator[None]
 
 # Names of what the atomic writers below leave behind only when killed mid-write.
 SAVING_PREFIX = ".saving-"
+REPLACED_PREFIX = ".replaced-"  # an old folder moved aside by replace_directory or remove_directory
 TEMPORARY_SUFFIX = ".tmp"
 
 
@@ -170,6 +172,45 @@ def replace_files_atomically(directory: Path, write: Callable[[Path], None]) -> 
         fsync_path(directory)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _aside_name(path: Path, prefix: str) -> Path:
+    """A fresh sibling name for `path` out of its own namespace (`prefix` marks what left it there)."""
+    return path.with_name(f"{prefix}{path.name}-{uuid.uuid4().hex[:8]}")
+
+
+def replace_directory(new: Path, destination: Path, aside_prefix: str = REPLACED_PREFIX) -> None:
+    """Swap the finished folder `new` into place as `destination` (a sibling on the same filesystem).
+
+    Guarantee: the old folder is never lost, and readers see the old folder or the new one, never a
+    mix. The old one is renamed aside first (`aside_prefix`), then `new` onto its name; if that rename
+    fails the old folder is renamed back before the error is raised (`new` is left for the caller),
+    and it is deleted only once the new one is in place. Between the two renames the name is briefly
+    absent; a kill in that instant leaves both folders whole under their temporary names.
+    """
+    new, destination = Path(new), Path(destination)
+    aside = _aside_name(destination, aside_prefix) if destination.exists() else None
+    if aside is not None:
+        os.replace(destination, aside)
+    try:
+        os.replace(new, destination)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, destination)
+        raise
+    fsync_path(destination.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_directory(path: Path, aside_prefix: str = REPLACED_PREFIX) -> None:
+    """Delete a folder without ever leaving it half-deleted under its own name: renamed aside, then removed."""
+    path = Path(path)
+    if not path.exists():
+        return
+    aside = _aside_name(path, aside_prefix)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,12 @@ from safetensors.torch import save_file
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
-from trainer.fileio import check_checkpoint_weights, require_existing_path, write_directory_atomically
+from trainer.fileio import (
+    check_checkpoint_weights,
+    replace_directory,
+    require_existing_path,
+    write_directory_atomically,
+)
 from trainer.models.config_bounds import (
     FLOAT32_BYTES,
     check_checkpoint_config,
@@ -564,10 +569,10 @@ def export_draft(
     if overwrite and output_dir.exists():
         staging = output_dir.with_name(f".{output_dir.name}.new-{uuid.uuid4().hex[:8]}")
         write_directory_atomically(staging, write)
-        backup = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(output_dir, backup)
-        os.replace(staging, output_dir)
-        shutil.rmtree(backup)
+        try:
+            replace_directory(staging, output_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone once in place; removed if the swap failed
     else:
         write_directory_atomically(output_dir, write)
     logger.info("Exported %s (%d tensors, %s)", output_dir, len(tensors), dtype)

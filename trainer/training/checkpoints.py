@@ -16,13 +16,12 @@ import os
 import pickle
 import re
 import shutil
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
+from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path, remove_directory, replace_directory
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +67,7 @@ def staging_parent(run_dir: Path, step: int) -> Path:
 
 def remove_tree(path: Path) -> None:
     """Delete a directory without ever leaving it half-deleted under its own name."""
-    if not path.exists():
-        return
-    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_directory(path, aside_prefix=TRASH_PREFIX)
 
 
 def clean_leftovers(run_dir: Path) -> None:
@@ -104,14 +99,7 @@ def clean_leftovers(run_dir: Path) -> None:
 def publish_staged(staged: Path, final: Path, step: int) -> None:
     """Make a fully written checkpoint visible under its final name in one rename."""
     write_manifest(staged, step)
-    if final.exists():  # the same step saved again: move the old copy aside first
-        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, trash)
-        os.replace(staged, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staged, final)
-    fsync_path(final.parent)
+    replace_directory(staged, final, aside_prefix=TRASH_PREFIX)  # an older copy of the step (saved again) goes
     shutil.rmtree(staged.parent, ignore_errors=True)
 
 
