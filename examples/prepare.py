@@ -1,62 +1,12 @@
-"""Build a recipe's datasets ahead of training: `python examples/prepare.py recipe.yaml [--key value ...]`.
+"""Build a recipe's datasets ahead of training: `dflash2 prepare`, as a script.
 
-Runs the target once to answer the prompts (`regenerate`, in process or through
-`regenerate_endpoint`) and, with `offline: true`, to capture its hidden states into the cache;
-`train.py` with the same recipe then reuses both instead of recomputing them (e.g. a CPU or a
-separate GPU job prepares, the training job only reads).
+python examples/prepare.py my-recipe.yaml [--regenerate-only]
 
-`--regenerate-only` stops after the answers. Through endpoints (`regenerate_endpoint`, and
-`feature_endpoint` for the features) only the target's tokenizer and config are loaded, so a
-machine without GPUs can drive a vLLM / SGLang fleet for days, resumably.
+The work is `trainer.data.prepare.main`, the same function `dflash2 prepare` runs.
 """
 
-from __future__ import annotations
-
-import logging
-import sys
-
-import torch
-
-from modeling_dflash2 import DFlash2Config
 from trainer.cli import run
-from trainer.data.dataset import build_datasets, token_datasets
-from trainer.models.target import FrozenTarget, TargetTokenizer
-from trainer.training.arguments import parse_arguments
-from trainer.training.recipe_files import DEFAULT_RECIPE, resolve_path
-
-REGENERATE_ONLY = "--regenerate-only"
-
-
-def load_target(model_args, data_args, regenerate_only: bool) -> FrozenTarget | TargetTokenizer:
-    """The target's weights only where a step runs it here: regenerating without an endpoint, or
-    capturing features without a feature_endpoint; otherwise its tokenizer and config alone."""
-    answers_here = data_args.regenerate and not data_args.regenerate_endpoint
-    captures_here = not regenerate_only and data_args.offline and not data_args.feature_endpoint
-    if not (answers_here or captures_here):
-        return TargetTokenizer.load(model_args.target, model_args.target_gguf_file)
-    return FrozenTarget.load(
-        model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    regenerate_only = REGENERATE_ONLY in argv
-    argv = [flag for flag in argv if flag != REGENERATE_ONLY]
-    model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    if regenerate_only and not data_args.regenerate:
-        raise ValueError(f"{REGENERATE_ONLY}: the recipe does not regenerate (regenerate: false)")
-    target = load_target(model_args, data_args, regenerate_only)
-    if regenerate_only:
-        train, evaluation = token_datasets(data_args, target)
-        print(f"regenerated {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
-        return
-    config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
-    distills = training_args.objective_config().distills  # distillation also stores final hidden states
-    train, evaluation = build_datasets(data_args, target, config.target_layer_ids, final_hidden=distills)
-    print(f"prepared {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
-
+from trainer.data.prepare import main
 
 if __name__ == "__main__":
     run(main)

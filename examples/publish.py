@@ -1,42 +1,12 @@
-"""Publish an existing export folder to the Hub as one commit, without re-exporting it.
+"""Publish an export folder to the Hub: `dflash2 publish`, as a script.
 
-python examples/publish.py FOLDER REPO_ID [--private] [--commit-message MSG] [--revision R]
+python examples/publish.py FOLDER REPO_ID [--private]
 
-FOLDER: a folder written by examples/export.py (or `export_draft`), e.g. after its --push-to-hub
-failed. It is re-validated against the public checkpoint contract before the Hub is contacted.
-A failed push leaves no partial revision: run the same command again.
+The work is `trainer.publishing.publish_command.main`, the same function `dflash2 publish` runs.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-
-from huggingface_hub import CommitInfo
-
 from trainer.cli import run
-from trainer.publishing.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish, publish_command
-
-
-def main(argv: list[str] | None = None) -> CommitInfo:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder")
-    parser.add_argument("repo_id")
-    parser.add_argument("--private", action="store_true", help="create the repo private (an existing repo is kept)")
-    parser.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
-    parser.add_argument("--revision", help="branch to commit to (default: main)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-    options = {"commit_message": args.commit_message, "revision": args.revision}
-    try:
-        commit = publish(args.folder, args.repo_id, private=args.private or None, **options)
-    except PublishError as error:
-        retry = publish_command(args.folder, args.repo_id, private=args.private, **options)
-        raise PublishError(f"{error}: retry with {retry}") from error
-    print(f"published {commit.commit_url}")
-    return commit
-
+from trainer.publishing.publish_command import main
 
 if __name__ == "__main__":
     run(main)

@@ -19,12 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from examples import evaluate, export, prepare, publish, train
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.cli import run
+from trainer.data import prepare
+from trainer.evaluation import evaluate_command as evaluate
 from trainer.locks import FolderLock, lock_run_folder
+from trainer.publishing import export_command as export
+from trainer.publishing import publish_command as publish
+from trainer.training import run as train
 from trainer.training.checkpoints import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]

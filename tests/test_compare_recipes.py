@@ -1,4 +1,4 @@
-"""examples/compare_recipes.py: the recipes as training flags, the v1 draft config, the numbers read
+"""`dflash2 compare` (trainer.evaluation.compare): the recipes as training flags, the v1 draft config, the numbers read
 back from a finished run, the table, and resuming where a comparison stopped."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from examples import compare_recipes
 from modeling_dflash2 import DFlash2Config, DFlashDraftModel
+from trainer.evaluation import compare as compare_recipes
 from trainer.training.arguments import parse_arguments
 
 
@@ -32,7 +32,7 @@ def test_v1_config_is_the_same_draft_without_conv_and_selector():
 )
 def test_each_recipe_is_the_default_recipe_with_its_own_objective(tmp_path, recipe, loss_type, kd_weight):
     command = compare_recipes.train_command(recipe, 2, tmp_path / "run", tmp_path / "draft.json")
-    model_args, data_args, training_args = parse_arguments(command[2:])
+    model_args, data_args, training_args = parse_arguments(command[len(compare_recipes.dflash2("train")) :])
     objective = training_args.objective_config()
     assert (objective.loss_type, objective.resolved_kd_weight) == (loss_type, kd_weight)
     assert (training_args.seed, training_args.max_steps, objective.num_anchors) == (2, 300, 16)
@@ -98,7 +98,7 @@ def test_a_comparison_resumes_without_repeating_finished_stages(tmp_path, monkey
     """Training and each evaluation run once; a second comparison reuses the recorded numbers."""
     commands = []
 
-    def fake_run(command, check, cwd):
+    def fake_run(command, check):
         commands.append(command)
         if "--draft" in command:  # evaluate.py: its benchmark's report
             run_dir, stage = Path(command[command.index("--draft") + 1]), command[command.index("--benchmark") + 1]
@@ -140,7 +140,7 @@ def test_the_default_recipe_is_what_the_base_recipe_trains():
     _, _, base = parse_arguments([str(compare_recipes.BASE_RECIPE)])
     default = compare_recipes.DEFAULT_RECIPE
     command = compare_recipes.train_command(default, 0, Path("run"), compare_recipes.DRAFT_CONFIG)
-    _, _, training_args = parse_arguments(command[2:])
+    _, _, training_args = parse_arguments(command[len(compare_recipes.dflash2("train")) :])
     assert training_args.objective_config() == base.objective_config()
     assert base.objective_config().distills == compare_recipes.RECIPES[default]["distills"]
     assert not compare_recipes.RECIPES[default]["v1"]

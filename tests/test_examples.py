@@ -1,4 +1,4 @@
-"""examples/prepare.py and examples/train.py in-process on a tiny recipe."""
+"""`dflash2 prepare` and `dflash2 train` (trainer.data.prepare, trainer.training.run) in-process on a tiny recipe."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from examples import prepare, train
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.data import prepare
 from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget
+from trainer.training import run as train
 
 
 @pytest.mark.parametrize("objective", [{}, {"kd_weight": 0.5}], ids=["ce", "distillation"])
@@ -32,8 +33,8 @@ def test_prepare_then_train_reuses_the_offline_features(tmp_path, monkeypatch, c
 def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
     """The recipe comparison's DFlash v1 baseline: a config without conv and selector builds the v1
     class (a DFlash2 class would give it identity convs and a no-op selector it never had)."""
-    from examples.compare_recipes import DRAFT_CONFIG, v1_config
     from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
+    from trainer.evaluation.compare import DRAFT_CONFIG, v1_config
     from trainer.training.arguments import ModelArguments
 
     (tmp_path / "v1.json").write_text(json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text()))))

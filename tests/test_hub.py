@@ -155,7 +155,7 @@ def test_export_py_push_failure_keeps_the_export_and_publish_py_retries_it(tmp_p
         message = failed.stderr.strip().splitlines()[-1]
         assert "push to org/draft failed (" in message, message
         assert "500 Internal Server Error" in message
-        retry = f"retry with python examples/publish.py {out} org/draft"
+        retry = f"retry with dflash2 publish {out} org/draft"
         assert message.endswith(f"; the export at {out} is complete: {retry}"), message
         validate_export_folder(out)  # complete and valid: the retry needs no re-export
         repo = hub.state.repos["org/draft"]
@@ -177,7 +177,7 @@ def test_publish_py_failure_names_the_retry_and_the_retry_publishes_one_commit(t
         assert failed.returncode != 0
         message = failed.stderr.strip().splitlines()[-1]
         assert "push to org/draft failed (" in message, message
-        retry = f"retry with python examples/publish.py {folder} org/draft --private --commit-message 'Draft v2'"
+        retry = f"retry with dflash2 publish {folder} org/draft --private --commit-message 'Draft v2'"
         assert message.endswith(retry), message
         repo = hub.state.repos["org/draft"]
         assert repo.sha is None and repo.files == {}
@@ -306,7 +306,7 @@ def test_publish_py_refuses_an_export_missing_a_tensor_before_contacting_the_hub
 
 TRAIN_AND_PUSH = """
 import sys
-from examples.train import main
+from trainer.training.run import main
 main([sys.argv[1], "--push_to_hub", "true", "--hub_model_id", "org/trained", "--hub_strategy", "every_save",
       "--hub_token", sys.argv[2]])
 """

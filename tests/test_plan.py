@@ -354,7 +354,7 @@ def test_bad_input_is_one_error_line(capsys, monkeypatch, extra, named):
 def test_no_recipe_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stop:
         run(main, [])
-    assert stop.value.code == 2 and "error: usage: python -m trainer.plan RECIPE" in capsys.readouterr().err
+    assert stop.value.code == 2 and "error: usage: dflash2 plan RECIPE" in capsys.readouterr().err
 
 
 def test_mismatched_target_is_refused(capsys, tiny_recipe):

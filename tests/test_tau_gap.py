@@ -172,7 +172,7 @@ def test_report_pools_the_paths_and_renders_a_table(pair):
 
 
 def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, monkeypatch):
-    from examples import tau_gap
+    from trainer.evaluation import tau_gap_command as tau_gap
 
     target, draft = pair
     target.model.save_pretrained(tmp_path / "target")

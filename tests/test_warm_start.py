@@ -138,9 +138,9 @@ def test_key_problems_are_refused_naming_the_keys(tmp_path, recipe_config, edit,
 def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(tmp_path, monkeypatch):
     """hub_configs record "dtype": "bfloat16" (the published format); the run trains float32 master
     weights, so a warm-started draft reaches the Trainer exactly as the float32 source computed it."""
-    from examples import train
     from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
     from tests.distributed.tiny_setup import write_tiny_run
+    from trainer.training import run as train
     from trainer.training.arguments import parse_arguments
 
     recipe = write_tiny_run(tmp_path, init_from=str(tmp_path / "source"), max_steps=1, num_eval_samples=0)

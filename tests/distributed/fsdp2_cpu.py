@@ -18,9 +18,9 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.train import main
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.training import trainer as trainer_module
+from trainer.training.run import main
 
 
 class ForcedFSDP2Trainer(trainer_module.DFlash2Trainer):
@@ -50,7 +50,7 @@ if __name__ == "__main__":
         (root / "ready").write_text("1")
     while not (root / "ready").exists():
         time.sleep(0.1)
-    import examples.train as train_script
+    import trainer.training.run as train_script
 
     train_script.DFlash2Trainer = ForcedFSDP2Trainer
     metrics = main([str(recipe)])

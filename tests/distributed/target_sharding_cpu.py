@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import examples.train as train_script
+import trainer.training.run as train_script
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.training.distributed import close_process_group
 from trainer.training.trainer import DFlash2Trainer

@@ -1,4 +1,4 @@
-"""Test-only: run examples/train.py and hit it with a fault at a named point of a named step.
+"""Test-only: run `dflash2 train` (trainer.training.run) and hit it with a fault at a named point of a named step.
 
 Usage: python tests/faults/train_with_fault.py POINT STEP RECIPE [--key value ...]
 
@@ -24,7 +24,7 @@ from transformers import TrainerCallback, TrainerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import examples.train as train_script
+import trainer.training.run as train_script
 from trainer.cli import run
 from trainer.training.checkpoints import MANIFEST, STAGING_PREFIX, TRASH_PREFIX
 

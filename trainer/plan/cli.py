@@ -1,7 +1,7 @@
 """Per-rank memory of a training run, from the recipe and the two model configs alone.
 
-`python -m trainer.plan RECIPE [--num-gpus N] [--gpu-memory-gb G] [--accelerate-config FILE] [--json]
-[--key value ...]` reads the recipe (the `--key value` flags override it, as in `examples/train.py`),
+`dflash2 plan RECIPE [--num-gpus N] [--gpu-memory-gb G] [--accelerate-config FILE] [--json]
+[--key value ...]` reads the recipe (the `--key value` flags override it, as in `dflash2 train`),
 the draft config (`draft_config`, or `init_from`'s config.json) and the target's config.json (a
 directory holding it, a Hub id: only config.json is fetched, or the cached conversion of a GGUF
 target). Both models are built on the meta device to count their parameters exactly; no weight is
@@ -27,10 +27,7 @@ from trainer.plan.facts import GIB, accelerate_world_size, read_accelerate_confi
 from trainer.plan.memory import MemoryPlan, plan_run
 from trainer.training.arguments import parse_arguments
 
-USAGE = (
-    "python -m trainer.plan RECIPE [--num-gpus N] [--gpu-memory-gb G] [--accelerate-config FILE] [--json] "
-    "[--key value ...]"
-)
+USAGE = "dflash2 plan RECIPE [--num-gpus N] [--gpu-memory-gb G] [--accelerate-config FILE] [--json] [--key value ...]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,7 +36,7 @@ USAGE = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("python -m trainer.plan", __doc__.split("\n\n")[0], add_help=False)
+    parser = command_parser("dflash2 plan", __doc__.split("\n\n")[0], add_help=False)
     parser.add_argument("--num-gpus", type=int, default=None, help="ranks (default: the accelerate config's, or 1)")
     parser.add_argument(
         "--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU in GiB, 2^30 bytes (default 80)"

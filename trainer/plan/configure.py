@@ -1,6 +1,6 @@
 """Write a DFlash2 draft config (and a starter recipe) for any Hugging Face causal LM.
 
-python -m trainer.plan.configure TARGET --num-draft-layers N --block-size B --output PATH
+dflash2 configure TARGET --num-draft-layers N --block-size B --output PATH
     [--mask-token-id ID] [--recipe RECIPE_PATH [--recipe-size cpu|gpu]] [--selector-rank R]
     [--selector-top-k K] [--conv-kernel-size C] [--conv-group-size G] [--target-gguf-file F]
 
@@ -26,6 +26,7 @@ import yaml
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from modeling_dflash2 import DFlash2Config
+from trainer.cli import command_parser, run
 from trainer.fileio import write_file_atomically
 from trainer.models.target import TargetSource
 from trainer.publishing.export import TargetDimensions, config_violations
@@ -284,14 +285,14 @@ def load_tokenizer(source: TargetSource) -> PreTrainedTokenizerBase:
 
 
 def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | None = None) -> str:
-    """A recipe examples/train.py accepts: `cpu` trains on packaged chat prompts in minutes, `gpu`
+    """A recipe `dflash2 train` accepts: `cpu` trains on packaged chat prompts in minutes, `gpu`
     on UltraChat for an 8-GPU FSDP2 node (launch line in its header)."""
     output = f"outputs/{config_path.stem}"
     common: dict[str, Any] = {"target": target, "draft_config": str(config_path)}
     if gguf_file:
         common["target_gguf_file"] = gguf_file
     if size == "cpu":
-        header = "# CPU trial: python examples/train.py {recipe}\n"
+        header = "# CPU trial: dflash2 train {recipe}\n"
         body = {
             **common,
             "dataset": "chitchat",
@@ -319,7 +320,7 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
         header = (
             "# 8-GPU node, FSDP2 + bf16 from the accelerate config:\n"
             "#   accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py {recipe}\n"
-            "# Size it first: python -m trainer.plan {recipe} --accelerate-config examples/accelerate/fsdp2.yaml\n"
+            "# Size it first: dflash2 plan {recipe} --accelerate-config examples/accelerate/fsdp2.yaml\n"
         )
         body = {
             **common,
@@ -355,21 +356,23 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target")
-    parser.add_argument("--num-draft-layers", type=int, required=True)
-    parser.add_argument("--block-size", type=int, required=True)
+    parser = command_parser("dflash2 configure", __doc__)
+    parser.add_argument("target", help="a Hub id, a directory, pypi:<dist>, or a directory with only config.json")
+    parser.add_argument("--num-draft-layers", type=int, required=True, help="decoder layers of the draft")
+    parser.add_argument("--block-size", type=int, required=True, help="B: tokens drafted per block, anchor included")
     parser.add_argument("--output", required=True, help="where the draft config JSON goes")
     parser.add_argument("--mask-token-id", type=int, help="default: chosen from the tokenizer (reason printed)")
-    parser.add_argument("--target-gguf-file")
+    parser.add_argument("--target-gguf-file", help="the GGUF file inside TARGET")
     parser.add_argument("--target-layer-ids", help="comma-separated; default: the published rule")
     parser.add_argument("--sliding-window", type=int, help="make every draft layer sliding-window attention")
-    parser.add_argument("--selector-rank", type=int)
-    parser.add_argument("--selector-top-k", type=int)
-    parser.add_argument("--conv-kernel-size", type=int)
-    parser.add_argument("--conv-group-size", type=int)
+    parser.add_argument("--selector-rank", type=int, help="default: sized from the target (reason printed)")
+    parser.add_argument("--selector-top-k", type=int, help="candidates per slot (default: sized, reason printed)")
+    parser.add_argument("--conv-kernel-size", type=int, help="default: sized from the block size")
+    parser.add_argument("--conv-group-size", type=int, help="default: sized from the hidden size")
     parser.add_argument("--recipe", help="also write a starter recipe here")
-    parser.add_argument("--recipe-size", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument(
+        "--recipe-size", choices=("cpu", "gpu"), default="cpu", help="a CPU trial or an FSDP2 GPU recipe"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output / --recipe")
     return parser.parse_args(argv)
 
@@ -426,6 +429,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from trainer.cli import run
-
     run(main)

@@ -1,7 +1,7 @@
 """Publishing exported drafts to the Hugging Face Hub, one commit per push.
 
 Only folders written by `export_draft` are published, never raw Trainer checkpoints, and every push
-re-validates the folder on disk first: a retry (`examples/publish.py`) publishes whatever is there
+re-validates the folder on disk first: a retry (`dflash2 publish`) publishes whatever is there
 now, which may have been edited, truncated or never exported. The token comes from the environment
 (`HF_TOKEN`) or `huggingface-cli login`, or is passed in memory; it is never written to a file.
 """
@@ -175,7 +175,7 @@ def publish_command(
     revision: str | None = None,
 ) -> str:
     """The shell command that publishes an existing export again, without re-exporting it."""
-    command = ["python", "examples/publish.py", str(folder), repo_id]
+    command = ["dflash2", "publish", str(folder), repo_id]
     if private:
         command.append("--private")
     if commit_message != DEFAULT_COMMIT_MESSAGE:

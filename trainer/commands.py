@@ -1,0 +1,109 @@
+"""`dflash2 COMMAND ...`: the one front door to every step, from configuring a draft to publishing it.
+
+A module of its own, apart from the commands it dispatches to and from `trainer.cli`, because the
+dispatcher must stay cheap: `dflash2 --help`, an unknown command or a misplaced flag is answered
+from this table alone, before torch is imported (`trainer.cli` and every command import it, about
+8 s). Each command is imported only when it runs, and then goes through `trainer.cli.run`, the
+project's one error convention. The examples/ scripts call the same `main` functions.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import NoReturn
+
+PROG = "dflash2"
+DEBUG_FLAG = "--debug"  # trainer.cli.DEBUG_FLAG, spelled here to keep torch out of `dflash2 --help`
+USER_ERROR_STATUS = 2  # trainer.cli.USER_ERROR_STATUS, likewise
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: the module whose `main(argv)` runs it, and its line in `dflash2 --help`."""
+
+    module: str
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "configure": Command("trainer.plan.configure", "write a draft config and a starter recipe for any causal LM"),
+    "plan": Command("trainer.plan.cli", "per-rank memory of a training run, from the recipe and configs alone"),
+    "prepare": Command("trainer.data.prepare", "answer the prompts and capture target features ahead of training"),
+    "train": Command("trainer.training.run", "train a draft on a recipe (no recipe: the embedded default)"),
+    "evaluate": Command("trainer.evaluation.evaluate_command", "real speculative decoding: τ, acceptance, speed-up"),
+    "export": Command("trainer.publishing.export_command", "a checkpoint to a publishable folder (and the Hub)"),
+    "publish": Command("trainer.publishing.publish_command", "push an existing export folder to the Hub"),
+    "tau-gap": Command("trainer.evaluation.tau_gap_command", "teacher-forced τ at the anchors real decoding visited"),
+    "compare": Command("trainer.evaluation.compare", "the equal-budget recipe comparison on the demo target"),
+}
+
+
+def usage() -> str:
+    """The text of `dflash2 --help`: every command with its one line."""
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help lists a command's options)",
+        "",
+        "Train, evaluate, export and publish DFlash2 speculative-decoding drafts.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()),
+        "",
+        f"{DEBUG_FLAG} anywhere shows the traceback of a user error instead of its one line.",
+    ]
+    return "\n".join(lines)
+
+
+def refuse(message: str) -> NoReturn:
+    """trainer.cli's convention for a user error: one line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_STATUS)
+
+
+def find_command(name: str) -> Command:
+    """The named command, or a ValueError naming the closest one."""
+    if name in COMMANDS:
+        return COMMANDS[name]
+    close = difflib.get_close_matches(name, COMMANDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    raise ValueError(f"unknown command {name!r}{hint} (choose from {', '.join(COMMANDS)})")
+
+
+def split_command(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the command's name, the arguments it gets); `--debug` may precede the name and is kept."""
+    for index, arg in enumerate(argv):
+        if arg == DEBUG_FLAG:
+            continue
+        if arg in ("-h", "--help"):
+            return "--help", []
+        if arg.startswith("-"):
+            raise ValueError(f"unrecognized option {arg!r} before the command (options go after it)")
+        debug = [DEBUG_FLAG] if index else []  # only --debug can come before the name
+        return arg, [*argv[index + 1 :], *debug]
+    return None, []
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """`dflash2 COMMAND ARGS`: run the command's `main(ARGS)` through `trainer.cli.run`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        name, rest = split_command(argv)
+        if name == "--help":
+            print(usage())
+            sys.exit(0)
+        if name is None:
+            raise ValueError(f"no command given; {PROG} --help lists them ({', '.join(COMMANDS)})")
+        command = find_command(name)
+    except ValueError as error:
+        refuse(str(error))
+    from trainer.cli import run
+
+    module = importlib.import_module(command.module)
+    run(module.main, rest)
+
+
+if __name__ == "__main__":
+    main()

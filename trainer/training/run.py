@@ -1,0 +1,135 @@
+"""`dflash2 train RECIPE [--key value ...]`: train a DFlash2 draft on a recipe.
+
+With no arguments it runs the embedded default recipe (examples/recipes/smollm2-135m-chitchat.yaml):
+SmolLM2-135M-Instruct as the target, chitchat prompts answered by the target, CPU-sized settings.
+On several GPUs: `accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py
+RECIPE` (the script calls this module's `main`). SIGTERM / SIGINT save a checkpoint and exit with
+128 + the signal; `--resume_from_checkpoint true` continues from the newest complete checkpoint.
+`--debug` shows tracebacks of user errors. `--help` lists every recipe key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import transformers
+from transformers import HfArgumentParser
+
+from trainer.data.dataset import DFlashCollator, build_datasets
+from trainer.fileio import write_file_atomically
+from trainer.locks import lock_run_folder
+from trainer.models.draft import build_draft
+from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
+from trainer.training.distributed import close_process_group
+from trainer.training.preemption import TrainingInterrupted
+from trainer.training.recipe_files import DEFAULT_RECIPE
+from trainer.training.trainer import DFlash2Trainer
+from trainer.training.watchdog import start_watchdog
+
+SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Train on the recipe (or the embedded default) and return the final held-out metrics."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_recipe_help("dflash2 train", __doc__)
+    model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
+    with run_folder_lock(training_args):
+        return train_run(model_args, data_args, training_args)
+
+
+def print_recipe_help(prog: str, doc: str | None) -> NoReturn:
+    """A recipe command's `--help`: its docstring, then every recipe key (the fields of the argument
+    dataclasses, as HfArgumentParser lists them), each also accepted as a `--key value` flag."""
+    print(doc)
+    HfArgumentParser(ARGUMENT_CLASSES, prog=prog, usage=f"{prog} [RECIPE.yaml] [--key value ...]").print_help()
+    raise SystemExit(0)
+
+
+def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
+    """The job owns its output_dir for the whole run: one lock, taken by global rank 0 before
+    anything is loaded, so a second run on the same folder stops at once with one line."""
+    if training_args.process_index != 0:
+        return contextlib.nullcontext()
+    return lock_run_folder(Path(training_args.output_dir))
+
+
+def train_run(model_args, data_args, training_args) -> dict[str, float]:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.logging.set_verbosity_warning()
+    transformers.set_seed(training_args.seed)
+    liveness = start_watchdog(training_args)  # each rank watches the others from here on (rank_stall_timeout)
+    check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
+
+    target = FrozenTarget.load(
+        model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
+    )
+    draft = build_draft(model_args)
+    target.check_draft(draft.dflash, draft.config)
+    with training_args.main_process_first(desc="building datasets"):
+        train_dataset, eval_dataset = build_datasets(
+            data_args, target, draft.target_layer_ids, final_hidden=training_args.objective_config().distills
+        )
+    # The untrained baseline comes from an evaluation at step 0 inside the training loop (an
+    # evaluate() before train() cannot prepare an FSDP2 model without its optimizer).
+    training_args.eval_on_start = eval_dataset is not None
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = DFlash2Trainer(
+        model=draft,
+        args=training_args,
+        target=target,
+        target_hub_id=model_args.target_hub_id,
+        recipe={"model_arguments": asdict(model_args), "data_arguments": asdict(data_args)},
+        target_sharding=model_args.target_sharding,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=DFlashCollator(pad_id),
+        callbacks=liveness,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.preemption.stopped_at_step is not None:
+        # handled until exit: the copy of the signal a launcher forwards (or sends when another rank
+        # has exited) must not cut this rank's report short
+        trainer.preemption.install()
+        close_process_group(trainer)
+        checkpoint = trainer.last_checkpoint
+        raise TrainingInterrupted(
+            trainer.preemption.signum, trainer.preemption.stopped_at_step, str(checkpoint) if checkpoint else None
+        )
+    after = trainer.evaluate() if eval_dataset is not None else {}
+    trainer.save_model()  # after the final evaluation, so a push carries its numbers
+    trainer.save_state()
+    evaluations = [log for log in trainer.state.log_history if "eval_loss" in log]
+    before = evaluations[0] if evaluations and evaluations[0].get("step") == 0 else {}
+    if trainer.is_world_process_zero():
+        summary = {
+            "checkpoint": str(Path(training_args.output_dir).resolve()),
+            "untrained": {key: before[key] for key in SUMMARY_KEYS if key in before},
+            "trained": {key: after[key] for key in SUMMARY_KEYS if key in after},
+        }
+        summary_file = Path(training_args.output_dir) / "demo_summary.json"
+        write_file_atomically(summary_file, lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
+        print_summary(summary)
+    close_process_group(trainer)
+    return after
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\nDraft checkpoint: {summary['checkpoint']}")
+    print("Held-out teacher-forced metrics (eval anchors at every valid position):")
+    print(f"  {'metric':<18}{'untrained':>12}{'trained':>12}")
+    for key in SUMMARY_KEYS:
+        if key in summary["trained"]:
+            before = summary["untrained"].get(key, float("nan"))
+            print(f"  {key[5:]:<18}{before:>12.4f}{summary['trained'][key]:>12.4f}")
+    print("  tau_unary: acceptance length of the unary argmax; tau_walk: of the selector's own greedy walk.")
