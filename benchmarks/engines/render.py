@@ -1,31 +1,27 @@
 """benchmarks/results/engines.json -> its section of docs/results.md (between the engines markers).
 
-The docs' numbers come from the JSON only (`python -m benchmarks.engines.render` rewrites the
-section from the committed JSON; the throughput run calls `write_docs` itself), and a test checks
-that the section equals what the committed JSON renders to, so the two cannot drift apart.
+The docs' numbers come from the JSON only: the throughput run calls `write_docs` itself, and
+`python -m benchmarks.results_doc` (or `python -m benchmarks.engines.render`) rewrites the section
+from the committed JSON; the markers are handled by benchmarks.results_doc, the one implementation
+for every measured document, whose test checks that the docs equal what the JSON renders to.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "engines.json"
-DOCS = REPO / "docs" / "results.md"
-BEGIN, END = "<!-- engines:begin -->", "<!-- engines:end -->"
+from benchmarks import results_doc
+from benchmarks.results_doc import duration
 
-
-def duration(seconds: float) -> str:
-    """`75.4` -> "1 min 15 s"; under a minute, "42.0 s"."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s"
+REPO = results_doc.REPO
+RESULTS = results_doc.RESULTS / "engines.json"
+DOCS = results_doc.RESULTS_DOC
+NAME = "engines"
+BEGIN, END = results_doc.markers(NAME)
 
 
 def runs_table(heading: str, runs: dict[str, dict[str, Any]], tokens_label: str) -> list[str]:
@@ -88,22 +84,14 @@ def render(result: dict[str, Any]) -> str:
 
 
 def section(text: str) -> str:
-    """What lies between the markers of `text` (a document), without the newlines next to them."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"the document needs one {BEGIN} followed by one {END}")
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    """What lies between the engines markers of `text` (a document), without the newlines next to them."""
+    return results_doc.section(text, NAME)
 
 
 def write_docs(result: dict[str, Any], docs: Path = DOCS) -> str:
     """Replace the section of `docs` with `render(result)` (temp file + rename); the section."""
-    text = docs.read_text()
-    section(text)  # the markers are there, once each
     body = render(result)
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    temporary = docs.with_name(f".{docs.name}.{os.getpid()}.tmp")
-    temporary.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
-    os.replace(temporary, docs)
+    results_doc.write_text_atomically(docs, results_doc.replace_section(docs.read_text(), NAME, body))
     return body
 
 
