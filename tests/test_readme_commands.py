@@ -1,8 +1,10 @@
-"""Every `python examples/...` and `python -m benchmarks...` command the docs show runs as written.
+"""Every `dflash2 ...`, `python examples/...` and `python -m benchmarks...` command the docs show runs
+as written.
 
 A reader copies these lines from a fresh clone, where only `trainer/` and `modeling_dflash2/` are
-installed (`pip install -e .`) and PYTHONPATH is unset: a script that imports `examples.` or
-`tests.` then dies with ModuleNotFoundError before parsing a flag. Each command runs with `--help`
+installed (`pip install -e .`, which also installs the `dflash2` script) and PYTHONPATH is unset: a
+script that imports `examples.` or `tests.` then dies with ModuleNotFoundError before parsing a
+flag. `dflash2` lines run the installed console script itself. Each command runs with `--help`
 appended, so the script imports everything and parses its arguments, then prints its usage and
 exits 0 without doing the work; placeholders (RECIPE, my-recipe.yaml, OUTPUT) need not exist.
 
@@ -29,7 +31,8 @@ README = REPO / "README.md"
 DOCUMENTS = (README, *sorted(path for path in (REPO / "docs").iterdir() if path.suffix == README.suffix))
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")  # a code span may wrap onto the next prose line
-PREFIXES = ("python examples/", "python -m benchmarks.")
+PREFIXES = ("dflash2 ", "python examples/", "python -m benchmarks.")
+SCRIPT = Path(sys.executable).with_name("dflash2")  # the console script next to the interpreter
 TIMEOUT_S = 120  # a --help imports torch and transformers: seconds, not minutes
 
 
@@ -66,7 +69,7 @@ def command_argv(line: str) -> list[str] | None:
         words = shlex.split(line.strip().removeprefix("$ "), comments=True)
     except ValueError:  # prose with an unbalanced quote
         return None
-    if not " ".join(words[:3]).startswith(PREFIXES):
+    if not (" ".join(words[:3]) + " ").startswith(PREFIXES):
         return None
     argv = [word.removeprefix("[").removesuffix("]") for word in words if word != "..."]
     return [word for word in argv if word]
@@ -92,8 +95,10 @@ def fresh_clone_environment() -> dict[str, str]:
 
 
 def run_with_help(argv: tuple[str, ...]) -> subprocess.CompletedProcess:
-    """`python` is the test's interpreter (the project's environment); the rest as written."""
-    command = [sys.executable, *argv[1:], "--help"]
+    """`python` is the test's interpreter (the project's environment), `dflash2` its console
+    script; the rest as written."""
+    program = [str(SCRIPT)] if argv[0] == "dflash2" else [sys.executable]
+    command = [*program, *argv[1:], "--help"]
     return subprocess.run(
         command, cwd=REPO, env=fresh_clone_environment(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
@@ -119,6 +124,7 @@ def test_the_extraction_joins_continuations_and_drops_comments_prompts_and_elisi
         "    --target T --push-to-hub org/name   # B - 1\n"
         "$ python -m benchmarks.run --device cuda\n"
         "python -m trainer.plan RECIPE\n"
+        "dflash2 evaluate --draft D [--max-samples N]   # real decoding\n"
         "accelerate launch --config_file x.yaml examples/train.py my-recipe.yaml\n"
         "python examples/publish.py OUT org/name [--private] [--revision BRANCH]\n"
         "vllm serve T --speculative-config '{\"num_speculative_tokens\": 15}  # not a comment'\n"
@@ -128,6 +134,7 @@ def test_the_extraction_joins_continuations_and_drops_comments_prompts_and_elisi
     assert [argv for argv in commands if argv is not None] == [
         ["python", "examples/export.py", "CKPT", "OUT", "--target", "T", "--push-to-hub", "org/name"],
         ["python", "-m", "benchmarks.run", "--device", "cuda"],
+        ["dflash2", "evaluate", "--draft", "D", "--max-samples", "N"],
         ["python", "examples/publish.py", "OUT", "org/name", "--private", "--revision", "BRANCH"],
         ["python", "examples/evaluate.py", "--compare-untrained"],
         ["python", "examples/tau_gap.py", "--target", "T", "--draft", "D"],
@@ -138,9 +145,9 @@ def test_the_docs_show_the_commands_a_fresh_clone_must_run():
     """The extraction still finds what the docs show: a README edit or a broken parser would
     otherwise leave the run below with nothing to check."""
     scripts = {argv[1] if argv[1] != "-m" else argv[2] for argv in COMMANDS}
-    assert {"examples/train.py", "examples/prepare.py", "examples/export.py", "examples/publish.py"} <= scripts
-    assert {"examples/evaluate.py", "examples/tau_gap.py", "benchmarks.run", "benchmarks.gpu_check"} <= scripts
-    assert ("python", "examples/prepare.py", "my-recipe.yaml", "--regenerate-only") in COMMANDS
+    assert {"configure", "plan", "prepare", "train", "evaluate", "export", "publish", "tau-gap", "compare"} <= scripts
+    assert {"examples/train.py", "benchmarks.run", "benchmarks.gpu_check"} <= scripts
+    assert ("dflash2", "prepare", "my-recipe.yaml", "--regenerate-only") in COMMANDS
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(argv[1:]) for argv in COMMANDS])

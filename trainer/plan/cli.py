@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> MemoryPlan:
     """Plan the recipe's run and print the plan (a table, or with `--json` only the JSON object)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
+    if "-h" in argv or "--help" in argv:  # anywhere, as in every other command
         print(__doc__)
         _parser().print_help()
         raise SystemExit(0)
