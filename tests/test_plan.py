@@ -388,3 +388,32 @@ def test_predicted_peak_within_15_percent_of_measured():
         dynamic = row["parts"]["activations"] + row["parts"]["loss_head"]
         assert dynamic > 0.6 * row["predicted_bytes"], row
         assert 0.85 <= row["ratio"] <= 1.15, row
+
+
+# -- precision from the recipe, planned like accelerate's mixed_precision, on any machine ----------------------
+
+
+def _accelerate_file(tmp_path, name: str, **values) -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_bf16_flag_plans_exactly_like_accelerate_mixed_precision_bf16(capsys, tmp_path):
+    """`--bf16 true` parses and plans on this CPU machine (TrainingArguments alone would refuse bf16 here)."""
+    target = ["--target", TARGETS / "qwen3-8b", "--gpu-memory-gb", "80"]
+    flag = plan_json(capsys, RECIPE_8B, *target, "--bf16", "true", "--num-gpus", "8")
+    mixed = _accelerate_file(tmp_path, "mixed.yaml", mixed_precision="bf16", num_processes=8)
+    assert flag == plan_json(capsys, RECIPE_8B, *target, "--accelerate-config", mixed)
+    assert flag != plan_json(capsys, RECIPE_8B, *target, "--num-gpus", "8")  # fp32 plans differently
+    fsdp_fp32 = yaml.safe_load(FSDP2.read_text()) | {"mixed_precision": "no"}
+    fsdp_fp32_file = _accelerate_file(tmp_path, "fsdp-fp32.yaml", **fsdp_fp32)
+    sharded = plan_json(capsys, RECIPE_8B, *target, "--accelerate-config", fsdp_fp32_file, "--bf16", "true")
+    assert sharded == plan_json(capsys, RECIPE_8B, *target, "--accelerate-config", FSDP2)
+
+
+def test_bf16_in_the_recipe_plans_like_the_flag(capsys, tmp_path):
+    recipe = tmp_path / "qwen3-8b-bf16.yaml"
+    recipe.write_text(RECIPE_8B.read_text() + "\nbf16: true\n")
+    target = ["--target", TARGETS / "qwen3-8b", "--num-gpus", "8", "--gpu-memory-gb", "80"]
+    assert plan_json(capsys, recipe, *target) == plan_json(capsys, RECIPE_8B, *target, "--bf16", "true")

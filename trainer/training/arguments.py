@@ -19,6 +19,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from trainer.objective.loss import ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
+from trainer.training.precision import post_init_without_device_checks
 from trainer.training.recipe_types import convert, field_choices, field_types
 
 
@@ -179,7 +180,7 @@ class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False: batches carry masks."})
 
     def __post_init__(self):
-        super().__post_init__()
+        post_init_without_device_checks(self, super().__post_init__)  # precision is applied at launch
         if not self.rank_stall_timeout >= 0:
             raise ValueError(f"rank_stall_timeout must be >= 0 seconds (0: off), not {self.rank_stall_timeout}")
         if self.remove_unused_columns:

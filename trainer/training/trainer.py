@@ -58,6 +58,7 @@ from trainer.training.checkpoints import (
     rotate,
     staging_parent,
 )
+from trainer.training.precision import apply_at_launch
 from trainer.training.preemption import PreemptionCallback
 from trainer.training.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
 
@@ -86,6 +87,7 @@ class DFlash2Trainer(Trainer):
         target.check_draft(model.dflash, model.config)
         if args.torch_compile:
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
+        apply_at_launch(args)  # before accelerate reads args.mixed_precision
         super().__init__(model=model, args=args, **kwargs)
         # The Hub token lives in memory only: training_args.bin and every other file stay token-free.
         self._hub_token, self.args.hub_token = self.args.hub_token, None
@@ -411,10 +413,7 @@ class DFlash2Trainer(Trainer):
     def _write_draft(self, directory: Path) -> None:
         """The draft files (rank 0 writes; under FSDP every rank joins the full-state-dict gather)."""
         if self.is_fsdp_enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            state_dict = get_model_state_dict(self.model, options=options)
+            state_dict = self._full_state_dict()
             if self.args.should_save:
                 self.accelerator.unwrap_model(self.model).save_pretrained(directory, state_dict=state_dict)
                 torch.save(self.args, directory / "training_args.bin")
@@ -422,6 +421,13 @@ class DFlash2Trainer(Trainer):
             super().save_model(str(directory), _internal_call=True)
         if self.args.should_save:
             (directory / RECIPE_FILE).write_text(json.dumps(self.recipe_record(), indent=2, default=str) + "\n")
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The draft's whole state dict on CPU, gathered from its FSDP2 shards: a collective, so every
+        rank must call it (the saving rank then writes it; the others drop their copy)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_state(self) -> None:
         """The run's trainer_state.json, replaced in one rename (HF writes it in place)."""
@@ -461,11 +467,8 @@ class DFlash2Trainer(Trainer):
     def draft_for_export(self):
         """A plain DFlash2DraftModel with the trained weights (gathered under FSDP, LoRA merged)."""
         if self.is_fsdp_enabled:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             plain = DFlash2DraftModel(self.accelerator.unwrap_model(self.model).config)
-            plain.load_state_dict(state)
+            plain.load_state_dict(self._full_state_dict())
             return plain
         model = self.accelerator.unwrap_model(self.model)
         if hasattr(model, "merge_and_unload"):
