@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import demo, results_doc
+from benchmarks import demo, demo_doc, doc_parts, results_doc
 from trainer.cli import run
 
 
@@ -19,20 +19,20 @@ def test_committed_documents_are_what_the_committed_json_renders():
 
 
 def test_fill_formats_values_and_reads_none_as_not_measured():
-    assert results_doc.fill(
+    assert doc_parts.fill(
         "τ {tau:.2f} over {steps} steps, {missing}", {"tau": 2.0654, "steps": 92, "missing": None}
     ) == ("τ 2.07 over 92 steps, not measured")
     with pytest.raises(KeyError, match="absent"):
-        results_doc.fill("{absent}", {})
+        doc_parts.fill("{absent}", {})
 
 
 def test_replace_section_rewrites_only_between_its_markers():
     text = "head\n<!-- a:begin -->\nold\n<!-- a:end -->\nmiddle <!-- b:begin -->x<!-- b:end --> tail\n"
-    new = results_doc.replace_section(text, "a", "new body")
+    new = doc_parts.replace_section(text, "a", "new body")
     assert new == "head\n<!-- a:begin -->\nnew body\n<!-- a:end -->\nmiddle <!-- b:begin -->x<!-- b:end --> tail\n"
-    assert results_doc.section(new, "a") == "new body" and results_doc.section(new, "b") == "x"
+    assert doc_parts.section(new, "a") == "new body" and doc_parts.section(new, "b") == "x"
     with pytest.raises(ValueError, match="c:begin"):
-        results_doc.replace_section(text, "c", "body")
+        doc_parts.replace_section(text, "c", "body")
 
 
 def tiny_demo() -> dict:
@@ -110,64 +110,65 @@ def tiny_demo() -> dict:
 
 def test_demo_sentences_on_hand_made_figures():
     figures = tiny_demo()
-    assert results_doc.provenance(figures) == (
+    assert demo_doc.provenance(figures) == (
         "Measured by `python -m benchmarks.demo` (the Makefile's `make demo` commands, then the τ-gap commands, each "
         "timed) on 2026-01-02 at commit abc1234, on 2 x86_64 CPU cores, torch 2.13.0 (2 threads), float32, from an "
         "empty `DFLASH2_CACHE`, so the first command's time includes the target's conversion, its answers and the "
         "feature capture."
     )
-    assert results_doc.command_rows(figures) == [
+    assert demo_doc.command_rows(figures) == [
         "| command | time |",
         "|---|---:|",
         "| `examples/train.py` | 1 min 15 s |",
         "| all of them | 1 min 15 s |",
     ]
-    assert results_doc.training_sentence(figures) == (
+    assert demo_doc.training_sentence(figures) == (
         "By the trainer's own clock, training took 30.0 s for 10 steps, 3.00 s per step with its 2 teacher-forced "
         "evaluations (about 3 s each) and the real-decoding `eval_spec_tau` inside (batch 4, 16 anchors per row, 256 "
         "training prompts). The recipe trains half cross-entropy, half distillation (`kd_weight: 0.5`)."
     )
-    assert results_doc.spec_tau_sentence(figures) == (
+    assert demo_doc.spec_tau_sentence(figures) == (
         "During training `eval_spec_tau` (3 held-out prompts decoded for real) went 1.00 → 1.50 at steps 0 and 10 "
         "(3 prompts: a noisy figure)."
     )
-    assert results_doc.real_against_forced(figures) == (
+    assert demo_doc.real_against_forced(figures) == (
         "Real τ of the selector walk (2.50) is below the teacher-forced one (3.00). "
     )
     gap = figures["tau_gap"]
     # (c) - (a): 2.5 - 2.0 and 2.25 - 1.5; (d) - (c): 3.0 - 2.5 and 2.5 - 2.25
-    assert results_doc.decomposition_sentence(gap) == (
+    assert demo_doc.decomposition_sentence(gap) == (
         "Of the gap between (d) and (a) (selector / unary), the anchors decoding visits account for (c) − (a) = "
         "0.50 / 0.75 and the decoded prompts differing from the training evaluation's for (d) − (c) = 0.50 / 0.25."
     )
-    assert results_doc.columns_sentence(gap) == "The selector walk is above the unary argmax in every row."
+    assert demo_doc.columns_sentence(gap) == "The selector walk is above the unary argmax in every τ row, (a) to (d)."
     gap["paths"]["unary"]["teacher_forced_tau_all_anchors"] = 2.75
     assert (
-        results_doc.columns_sentence(gap) == "The selector walk is above the unary argmax in rows (a), (b), (d) only."
+        demo_doc.columns_sentence(gap)
+        == "The selector walk is above the unary argmax in the τ rows (a), (b), (d) only."
     )
-    assert results_doc.agreement_sentence(gap).endswith(
+    assert demo_doc.agreement_sentence(gap).endswith(
         "(selector: 3 of 4 steps, 3 of 3 whole blocks; unary: 3 of 4 steps, 3 of 3 whole blocks): every whole block "
-        "agrees, so any difference is a last block cut short by the token budget."
+        "agrees, so the 2 differing step(s) are last blocks cut short by the token budget."
     )
     # the untrained draft runs at 0.4x: a step costs 1 / 0.4 = 2.5 target steps; the selector path is 1.2x
-    assert results_doc.cost_sentence(figures).startswith(
+    assert demo_doc.cost_sentence(figures).startswith(
         "Faster than the target alone: held-out chat trained draft, selector walk (1.20×): with a 135M-parameter "
         "target on 2 CPU cores, one step (a draft pass plus the target verifying a block of 8) costs about 2.5 "
         "single-token target steps (the untrained draft, τ 1.00, runs at 0.40×)"
     )
-    acceptance = results_doc.render_acceptance(figures)
+    acceptance = demo_doc.render_acceptance(figures)
     assert "| held-out chat | trained draft, selector walk | 2.500 | 12.0 | 1.20× | 0.50 / 0.25 / 0.00 |" in acceptance
     assert acceptance.endswith("In domain, the selector walk is above the unary argmax by 0.50 τ (2.50 vs 2.00).")
 
 
 def test_missing_figures_read_not_measured():
     figures = {**tiny_demo(), "commands": None, "ran_commands": False, "tau_gap": None}
-    text = results_doc.render_demo(figures)
+    text = demo_doc.render_demo(figures)
     assert "| the demo's commands | not measured |" in text
     assert "| (a)–(d), the τ-gap table | not measured | not measured |" in text
     assert "(`--max-samples 30 --max-new-tokens 48`): not measured." in text
-    assert results_doc.provenance(figures).startswith("Collected by `python -m benchmarks.demo --collect-only`")
-    assert "| τ unary argmax | not measured | not measured |" in results_doc.render_demo(figures)
+    assert demo_doc.provenance(figures).startswith("Collected by `python -m benchmarks.demo --collect-only`")
+    assert "| τ unary argmax | not measured | not measured |" in demo_doc.render_demo(figures)
 
 
 def test_compare_section_from_a_comparison_json():
@@ -176,7 +177,7 @@ def test_compare_section_from_a_comparison_json():
         figures.update({key: {"mean": 1.0, "spread": 0.0} for key in ("humaneval_tau", "teacher_forced_tau")})
         return {"seeds": [0, 1], **figures, "seconds_per_step": {"mean": 1.0, "spread": 0.1}, "gflop_per_step": gflop}
 
-    text = results_doc.render_compare(
+    text = demo_doc.render_compare(
         {"recipes": {"dflash2-ce": row(2.2, 0.05, 80.0), "dflash2-ce+kd": row(2.0, 0.05, 100.0)}}
     )
     assert (
@@ -193,7 +194,7 @@ def test_check_names_the_stale_document_and_exits_1(tmp_path: Path, monkeypatch,
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- s:begin -->\nhand-typed 9.99\n<!-- s:end -->\n")
     (tmp_path / "s.json").write_text(json.dumps({"tau": 2.5}))
-    sections = (results_doc.Section("s", "s.json", lambda r: results_doc.fill("τ {tau:.1f}", r)),)
+    sections = (results_doc.Section("s", "s.json", lambda r: doc_parts.fill("τ {tau:.1f}", r)),)
     monkeypatch.setattr(results_doc, "DOCUMENTS", {doc: sections})
     monkeypatch.setattr(results_doc, "RESULTS", tmp_path)
     with pytest.raises(SystemExit) as stop:
@@ -286,7 +287,7 @@ def test_collect_only_builds_demo_json_from_a_run_folder(tmp_path: Path, capsys)
     assert result["tau_gap_all_prompts"] is None
     assert result["machine"]["cores"] >= 1 and result["date"]
     # what the renderer makes of it: nothing missing crashes it
-    assert "not measured" in results_doc.render_demo(result)
+    assert "not measured" in demo_doc.render_demo(result)
 
 
 def test_the_demo_refuses_a_cache_that_is_not_empty(tmp_path: Path, monkeypatch, capsys):

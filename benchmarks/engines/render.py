@@ -2,8 +2,8 @@
 
 The docs' numbers come from the JSON only: the throughput run calls `write_docs` itself, and
 `python -m benchmarks.results_doc` (or `python -m benchmarks.engines.render`) rewrites the section
-from the committed JSON; the markers are handled by benchmarks.results_doc, the one implementation
-for every measured document, whose test checks that the docs equal what the JSON renders to.
+from the committed JSON. The markers are handled by benchmarks.doc_parts, the one implementation
+for every measured document; tests check that the docs equal what the JSON renders to.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from benchmarks import results_doc
-from benchmarks.results_doc import duration
+from benchmarks import doc_parts
+from benchmarks.doc_parts import duration
 
-REPO = results_doc.REPO
-RESULTS = results_doc.RESULTS / "engines.json"
-DOCS = results_doc.RESULTS_DOC
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results" / "engines.json"
+DOCS = REPO / "docs" / "results.md"
 NAME = "engines"
-BEGIN, END = results_doc.markers(NAME)
+BEGIN, END = doc_parts.markers(NAME)
 
 
 def runs_table(heading: str, runs: dict[str, dict[str, Any]], tokens_label: str) -> list[str]:
@@ -85,13 +85,13 @@ def render(result: dict[str, Any]) -> str:
 
 def section(text: str) -> str:
     """What lies between the engines markers of `text` (a document), without the newlines next to them."""
-    return results_doc.section(text, NAME)
+    return doc_parts.section(text, NAME)
 
 
 def write_docs(result: dict[str, Any], docs: Path = DOCS) -> str:
     """Replace the section of `docs` with `render(result)` (temp file + rename); the section."""
     body = render(result)
-    results_doc.write_text_atomically(docs, results_doc.replace_section(docs.read_text(), NAME, body))
+    doc_parts.write_text_atomically(docs, doc_parts.replace_section(docs.read_text(), NAME, body))
     return body
 
 
