@@ -56,12 +56,20 @@ def provenance(demo: dict[str, Any]) -> str:
     )
 
 
+def command_label(command: str) -> str:
+    """A timed command as a reader would type it: the virtualenv's path and `python` dropped
+    (`.venv/bin/python examples/train.py` -> `examples/train.py`, `.venv/bin/dflash2 x` -> `dflash2 x`)."""
+    program, _, rest = command.partition(" ")
+    program = program.rsplit("/", 1)[-1]
+    return rest if program.startswith("python") and rest else f"{program} {rest}".strip()
+
+
 def command_rows(demo: dict[str, Any]) -> list[str]:
     commands = demo.get("commands")
     if not commands:
         return table(["command", "time"], [["the demo's commands", None]])
     total = sum(entry["seconds"] for entry in commands)
-    rows = [[f"`{entry['command'].split('/python ', 1)[-1]}`", duration(entry["seconds"])] for entry in commands]
+    rows = [[f"`{command_label(entry['command'])}`", duration(entry["seconds"])] for entry in commands]
     return table(["command", "time"], [*rows, ["all of them", duration(total)]], ["---", "---:"])
 
 

@@ -122,6 +122,7 @@ def test_demo_sentences_on_hand_made_figures():
         "| `examples/train.py` | 1 min 15 s |",
         "| all of them | 1 min 15 s |",
     ]
+    assert demo_doc.command_label(".venv/bin/dflash2 train --x 1") == "dflash2 train --x 1"
     assert demo_doc.training_sentence(figures) == (
         "By the trainer's own clock, training took 30.0 s for 10 steps, 3.00 s per step with its 2 teacher-forced "
         "evaluations (about 3 s each) and the real-decoding `eval_spec_tau` inside (batch 4, 16 anchors per row, 256 "
@@ -334,3 +335,27 @@ def test_makefile_commands_join_continuations_and_expand_variables(tmp_path: Pat
     # the real Makefile's demo target: commands, every variable expanded
     commands = demo.makefile_commands()
     assert commands and all("$(" not in command for command in commands)
+
+
+def test_a_demo_run_times_the_makefile_commands_then_the_tau_gap_and_collects(tmp_path: Path, monkeypatch):
+    """The wiring of a real run, with the commands themselves replaced (a demo takes ten minutes)."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    ran: list[str] = []
+
+    def pretend(command: str) -> dict:
+        if not ran:  # the first command (training) leaves the run folder
+            fake_run(tmp_path)
+        ran.append(command)
+        return {"command": command, "seconds": 2.5}
+
+    monkeypatch.setattr(demo, "timed", pretend)
+    output = tmp_path / "demo.json"
+    result = demo.main(["--run", str(tmp_path / "run"), "--output", str(output)])
+    relative = demo.os.path.relpath(tmp_path / "run", demo.REPO)
+    assert ran == [*demo.makefile_commands(), *demo.tau_gap_commands(".venv/bin/python", relative)]
+    assert ran[-1].endswith(f"--max-samples 30 --max-new-tokens 48 --output {relative}/speculative/tau_gap_30x48.json")
+    assert json.loads(output.read_text()) == result
+    assert result["ran_commands"] is True and result["cache"] == "empty"
+    assert [entry["seconds"] for entry in result["commands"]] == [2.5] * len(ran)
+    assert json.loads((tmp_path / "run" / demo.TIMINGS_FILE).read_text())["commands"] == result["commands"]
+    assert demo_doc.command_rows(result)[-1] == f"| all of them | {2.5 * len(ran):.1f} s |"
