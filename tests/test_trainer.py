@@ -406,3 +406,19 @@ def test_a_full_disk_at_the_final_save_keeps_the_previous_draft(target, dataset,
     monkeypatch.setattr(trainer.state, "save_to_json", lambda path: no_space())
     with pytest.raises(DiskFullError, match=r"^no space left on device while writing the trainer state "):
         trainer.save_state()
+
+
+def test_both_fsdp_paths_take_the_one_full_state_dict_gather(target, dataset, tmp_path, monkeypatch):
+    """Under FSDP the draft save and the export both use `_full_state_dict` (one collective gather): its
+    result, and nothing else, is what they write and export."""
+    trainer = make_trainer(target, dataset, tmp_path / "run")
+    marked = {name: torch.full_like(value, 0.5) for name, value in trainer.model.state_dict().items()}
+    calls = []
+    monkeypatch.setattr(trainer, "is_fsdp_enabled", True)
+    monkeypatch.setattr(trainer, "_full_state_dict", lambda: calls.append("gather") or marked)
+    exported = trainer.draft_for_export()
+    assert all(torch.equal(value, marked[name]) for name, value in exported.state_dict().items())
+    trainer._write_draft(tmp_path / "draft")
+    saved = load_file(tmp_path / "draft" / "model.safetensors")
+    assert saved and all(torch.all(tensor == 0.5) for tensor in saved.values())
+    assert calls == ["gather", "gather"]

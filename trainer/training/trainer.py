@@ -58,6 +58,7 @@ from trainer.training.checkpoints import (
     rotate,
     staging_parent,
 )
+from trainer.training.hf_hooks import check_hooks
 from trainer.training.precision import apply_at_launch
 from trainer.training.preemption import PreemptionCallback
 from trainer.training.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
@@ -82,6 +83,7 @@ class DFlash2Trainer(Trainer):
     ):
         if not isinstance(args, DFlashTrainingArguments):
             raise TypeError("DFlash2Trainer needs DFlashTrainingArguments (objective settings live there).")
+        check_hooks()  # the private Trainer internals relied on (trainer.training.hf_hooks)
         self.objective = args.objective_config()
         configure_selector_training(model, self.objective)
         target.check_draft(model.dflash, model.config)
