@@ -86,7 +86,7 @@ def training_sentence(demo: dict[str, Any]) -> str:
         "anchors": training["num_anchors"],
         "samples": training["train_samples"],
         "objective": objective_phrase(training["kd_weight"]),
-        "kd": training["kd_weight"],
+        "kd": "null" if training["kd_weight"] is None else training["kd_weight"],  # a recipe value, never unmeasured
     }
     return fill(
         "By the trainer's own clock, training took {runtime} for {steps} steps, {per_step} s per step with its "
