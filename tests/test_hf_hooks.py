@@ -7,6 +7,7 @@ is called, the way DFlash2Trainer overrides it.
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,14 @@ def test_a_changed_hook_is_one_clear_error():
     assert problems[1] == "Trainer._get_grad_norm is gone"
     with pytest.raises(RuntimeError, match=r"hf_hooks\.py"):
         check_hooks(Renamed)
+
+
+def test_our_own_private_names_do_not_shadow_the_trainers(trained):
+    """DFlash2Trainer's own `_name` methods and attributes must not override an HF internal by accident."""
+    hooks = {hook.name for hook in HOOKS}
+    own_methods = {name for name in vars(DFlash2Trainer) if name.startswith("_") and not name.startswith("__")}
+    own_attributes = set(re.findall(r"self\.(_[a-z]\w*) = ", inspect.getsource(DFlash2Trainer)))
+    assert own_methods >= hooks - {"_prepare_inputs", "save_model"}  # the hooks it overrides are named here
+    hf_names = set(dir(Trainer)) | set(vars(trained))
+    assert sorted((own_methods - hooks) & hf_names) == []
+    assert own_attributes and sorted(own_attributes & hf_names) == []

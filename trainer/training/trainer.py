@@ -16,6 +16,10 @@ No non-finite step is ever saved. Before each optimizer step the gradient norm H
 are several ranks, so every rank stops (or skips, `skip_nonfinite_steps`) at the same step; the
 weights are checked once more before every checkpoint and the final save. Resume compares the
 checkpoint's recorded recipe with the new run first (`trainer.training.resume_check`).
+
+The private HF `Trainer` internals this class overrides or calls are listed, with what each is relied
+on for, in `trainer.training.hf_hooks` (checked when a trainer is built); precision (`bf16`, `fp16`,
+`tf32`) is applied here, at launch, by `trainer.training.precision`.
 """
 
 from __future__ import annotations
