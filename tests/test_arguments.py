@@ -269,3 +269,22 @@ def test_help_lists_every_objective_recipe_key(capsys):
     shown = capsys.readouterr().out
     for knob in dataclasses.fields(ObjectiveConfig):
         assert f"--{recipe_key(knob)} " in shown, knob.name
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("loss_chunk_blocks", 0),
+        ("num_anchors", 0),
+        ("loss_type", "tv"),
+        ("dpace_alpha", 2.0),
+        ("kd_weight", 1.5),
+        ("kd_temperature", 0.0),
+        ("selector_ramp_ratio", 2.0),
+    ],
+)
+def test_a_bad_objective_value_is_one_error_naming_its_recipe_key(tmp_path, key, value):
+    with pytest.raises(ValueError, match=rf"^{key} must"):
+        parse_arguments(
+            ["--target", "t", "--draft_config", "d.json", "--output_dir", str(tmp_path), f"--{key}", str(value)]
+        )

@@ -117,7 +117,7 @@ class ObjectiveConfig:
         if self.gamma is not None and not math.isfinite(self.gamma):
             raise ValueError(f"gamma must be finite (got {self.gamma}).")
         if self.chunk_blocks < 1:
-            raise ValueError(f"chunk_blocks must be >= 1 (got {self.chunk_blocks}).")
+            raise ValueError(f"loss_chunk_blocks must be >= 1 (got {self.chunk_blocks}).")  # its recipe key
         if not math.isfinite(self.selector_alpha) or self.selector_alpha < 0:
             raise ValueError(f"selector_alpha must be finite and >= 0 (got {self.selector_alpha}).")
         for name in ("selector_warmup_ratio", "selector_ramp_ratio"):
