@@ -435,11 +435,9 @@ def render_acceptance(demo: dict[str, Any]) -> str:
 
 def comparison_module() -> Any:
     """The module that writes comparison.json, whose table and verdict are rendered with its own code:
-    trainer.evaluation.compare (behind `make compare`), or examples/compare_recipes.py before the move."""
-    try:
-        from trainer.evaluation import compare
-    except ImportError:
-        from examples import compare_recipes as compare
+    trainer.evaluation.compare (behind `make compare` and `dflash2 compare`)."""
+    from trainer.evaluation import compare
+
     return compare
 
 
