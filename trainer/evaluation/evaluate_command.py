@@ -104,6 +104,7 @@ def prompt_texts(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Decode the prompts with each draft and path, write the report and return it (ids checked before any load)."""
     args = parse_args(argv)
     check_hub_id_if_remote(args.draft, "--draft")  # one line naming the flag, before any model loads
     check_hub_id_if_remote(args.target, "--target")

@@ -390,6 +390,7 @@ def parse_layer_ids(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Write the draft config (and the starter recipe), printing every choice with its reason."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     outputs = [Path(args.output)] + ([Path(args.recipe)] if args.recipe else [])

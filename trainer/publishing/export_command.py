@@ -34,6 +34,7 @@ REPORT_LIMIT = 16 * MAX_CONFIG_BYTES  # a speculative_report.json is a few KiB
 
 
 def main(argv: list[str] | None = None) -> Path:
+    """Export the checkpoint (ids and the output folder checked before any load), then push it if asked."""
     parser = command_parser("dflash2 export", __doc__)
     parser.add_argument("checkpoint", help="the training run, a checkpoint-N, a LoRA adapter or merged weights")
     parser.add_argument("output", help="the export folder to write")

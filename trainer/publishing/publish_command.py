@@ -18,6 +18,7 @@ from trainer.publishing.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish
 
 
 def main(argv: list[str] | None = None) -> CommitInfo:
+    """Push the export folder as one commit; a failure names the command that retries it."""
     parser = command_parser("dflash2 publish", __doc__)
     parser.add_argument("folder", help="the export folder")
     parser.add_argument("repo_id", help="the Hub repository, owner/name")
