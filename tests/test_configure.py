@@ -22,7 +22,7 @@ from trainer.cli import run
 from trainer.models.target import TargetSource
 from trainer.plan import configure
 from trainer.plan.configure import choose_mask_token, main, target_layer_ids
-from trainer.publishing.export import TargetDimensions, config_violations
+from trainer.publishing.contract import TargetDimensions, config_violations
 from trainer.training.arguments import parse_arguments
 
 FIXTURES = Path(__file__).parent / "fixtures" / "target_configs"

@@ -263,7 +263,8 @@ def _evaluate(saved: Path, draft: Path, tmp_path: Path, *flags: str) -> dict:
 def test_evaluating_an_export_leaves_it_byte_identical(saved, tmp_path, monkeypatch):
     """A downloaded or exported draft stays exactly as it was published: the report goes to
     outputs/evaluate/<draft name>/<benchmark>, or where --output says."""
-    from trainer.publishing.export import TargetDimensions, export_draft
+    from trainer.publishing.contract import TargetDimensions
+    from trainer.publishing.export import export_draft
 
     monkeypatch.chdir(tmp_path)
     draft = DFlash2DraftModel.from_pretrained(saved / "draft")

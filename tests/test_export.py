@@ -20,16 +20,13 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.evaluation.report import render_markdown
+from trainer.publishing.contract import ExportValidationError, TargetDimensions, contract_violations, public_config
 from trainer.publishing.export import (
     EXPORT_FILES,
     PLOT_FILE,
     RECIPE_FILE,
-    ExportValidationError,
-    TargetDimensions,
-    contract_violations,
     export_draft,
     load_trained_draft,
-    public_config,
     training_record,
 )
 from trainer.publishing.model_card import per_position_series

@@ -18,7 +18,8 @@ from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.hub_server import LoopbackHub
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.publishing.export import PROVENANCE_FILE, ExportValidationError, TargetDimensions, export_draft
+from trainer.publishing.contract import ExportValidationError, TargetDimensions
+from trainer.publishing.export import PROVENANCE_FILE, export_draft
 from trainer.publishing.hub import check_export_folder, publish, validate_export_folder
 
 REPO = Path(__file__).resolve().parents[1]

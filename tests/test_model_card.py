@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.publishing.export import TargetDimensions
+from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.model_card import TAGS, render_model_card
 
 CONFIG = json.loads((Path(__file__).resolve().parents[1] / "hub_configs" / "smollm2-135m-dflash2.json").read_text())

@@ -11,7 +11,8 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.publishing.export import TargetDimensions, export_draft, load_trained_draft
+from trainer.publishing.contract import TargetDimensions
+from trainer.publishing.export import export_draft, load_trained_draft
 from trainer.training import run as train
 
 TARGET = TargetDimensions("org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)

@@ -192,7 +192,7 @@ def test_compare_section_from_a_comparison_json():
 
 
 def test_check_names_the_stale_document_and_exits_1(tmp_path: Path, monkeypatch, capsys):
-    doc = tmp_path / "doc.md"
+    doc = tmp_path / "stale.txt"  # (a page name ending in the doc suffix would have to exist in the repo)
     doc.write_text("intro\n<!-- s:begin -->\nhand-typed 9.99\n<!-- s:end -->\n")
     (tmp_path / "s.json").write_text(json.dumps({"tau": 2.5}))
     sections = (results_doc.Section("s", "s.json", lambda r: doc_parts.fill("τ {tau:.1f}", r)),)

@@ -14,7 +14,7 @@ from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.models import target as target_module
 from trainer.models.target import FrozenTarget, TargetSource, check_target_sharding
-from trainer.publishing.export import TargetDimensions
+from trainer.publishing.contract import TargetDimensions
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from trainer.console import close_progress_bars
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.watchdog import watched_run
 
@@ -46,13 +47,6 @@ def say(message: str) -> None:
     if is_rank_zero():
         close_progress_bars()
         print(message, file=sys.stderr, flush=True)
-
-
-def close_progress_bars() -> None:
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
 
 
 def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoReturn:

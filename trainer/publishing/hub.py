@@ -29,12 +29,8 @@ from trainer.models.config_bounds import (
     parameter_count,
     read_config_file,
 )
-from trainer.publishing.export import (
-    PROVENANCE_FILE,
-    ExportValidationError,
-    contract_violations,
-    export_folder_problems,
-)
+from trainer.publishing.contract import ExportValidationError, contract_violations
+from trainer.publishing.export import PROVENANCE_FILE, export_folder_problems
 from trainer.publishing.hub_ids import check_hub_id
 
 logger = logging.getLogger(__name__)

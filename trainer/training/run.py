@@ -27,10 +27,10 @@ from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
 from trainer.training.distributed import close_process_group
 from trainer.training.preemption import TrainingInterrupted
-from trainer.training.recipe_files import DEFAULT_RECIPE
 from trainer.training.trainer import DFlash2Trainer
 from trainer.training.watchdog import start_watchdog
 

@@ -50,7 +50,8 @@ from trainer.objective.loss import (
     selector_alpha_at,
 )
 from trainer.objective.metrics import MetricTerms, add_terms, flatten_terms, ratios
-from trainer.publishing.export import RECIPE_FILE, TargetDimensions, export_draft, remove_secrets
+from trainer.publishing.contract import TargetDimensions
+from trainer.publishing.export import RECIPE_FILE, export_draft, remove_secrets
 from trainer.publishing.hub import PushExportOnSaveCallback, publish
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import (

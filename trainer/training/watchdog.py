@@ -39,6 +39,8 @@ from typing import Any, NoReturn, TextIO
 import torch
 from transformers import TrainerCallback
 
+from trainer.console import close_progress_bars
+
 logger = logging.getLogger(__name__)
 
 MAX_INTERVAL_S = 5.0  # a heartbeat at least this often; 1/5 of the timeout when that is shorter
@@ -383,8 +385,6 @@ class Watchdog:
                 time.sleep(1.0)
         self._stopping.set()
         if self.speaker(lost) == self.rank:
-            from trainer.cli import close_progress_bars  # (cli imports this module)
-
             with contextlib.suppress(Exception):
                 close_progress_bars()  # the line must not land after an open bar
             # nor after the half-drawn bar of the rank that died (the ranks share the launcher's stderr)
