@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo compare bench gpu-check engines-setup test-engines bench-engines clean
+.PHONY: setup test lint demo demo-results compare bench gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,13 @@ demo: setup
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
 		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
 		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
+
+# the demo's numbers as a new user gets them: the demo's commands and the tau-gap, timed, from an
+# empty DFLASH2_CACHE (a fresh temporary one unless set; an earlier $(RUN) must be moved away first),
+# into benchmarks/results/demo.json, then docs/results.md and docs/performance.md from the JSON
+demo-results: setup
+	DFLASH2_CACHE=$${DFLASH2_CACHE:-$$(mktemp -d)} $(BIN)/python -m benchmarks.demo
+	$(BIN)/python -m benchmarks.results_doc
 
 # the equal-budget recipe comparison of docs/results.md (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
 # 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable)
