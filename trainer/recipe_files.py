@@ -1,8 +1,8 @@
 """Where recipe paths point: the working directory first, else the repository root.
 
-Lives in the installed `trainer` package so `python examples/prepare.py`, `examples/train.py` and
-`python -m trainer.plan` resolve paths the same way from a fresh clone, where `examples/` is not
-importable (it is not installed, and PYTHONPATH is unset).
+Lives in the installed `trainer` package so every `dflash2` command (and the examples/ scripts over
+them) resolves paths the same way from a fresh clone, where `examples/` is not importable (it is
+not installed, and PYTHONPATH is unset).
 """
 
 from __future__ import annotations

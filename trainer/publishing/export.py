@@ -211,7 +211,7 @@ def export_draft(
     """Validate, write, reload-check, then atomically place a publishable draft folder.
 
     `overwrite` replaces only an earlier export, never the `source` checkpoint, a folder holding
-    it or a folder inside it. `evaluation_report`: one report of examples/evaluate.py, or one per
+    it or a folder inside it. `evaluation_report`: one report of `dflash2 evaluate`, or one per
     benchmark; the card shows each under its benchmark's heading."""
     from trainer.publishing.model_card import render_model_card, save_acceptance_plot
 
