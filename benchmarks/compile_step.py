@@ -22,7 +22,7 @@ from benchmarks import setups
 from benchmarks.train_step import optimized_step, synchronize
 from trainer.cli import command_parser, run
 from trainer.models.compile import compile_decoder_layers
-from trainer.objective.loss import ObjectiveConfig
+from trainer.objective.config import ObjectiveConfig
 
 LENGTH_OFFSETS = (0, -8, 8, -16, 0, 4)  # packed lengths around the setup's, as batches vary
 

@@ -207,7 +207,8 @@ def machine_facts(dtype: str) -> dict[str, Any]:
 
 
 def git_commit() -> dict[str, Any]:
-    """HEAD and whether the working tree had uncommitted changes when the numbers were collected."""
+    """HEAD and whether the working tree had uncommitted changes, read when a run starts (the code that
+    ran) or, for a run made by hand, when its numbers are collected."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
@@ -240,7 +241,7 @@ def collect(
         "cache": timings.get("cache"),
         "commands": timings.get("commands"),
         "date": finished.strftime("%Y-%m-%d"),
-        **git_commit(),
+        **(timings.get("source") or git_commit()),
         "machine": machine_facts(training["dtype"]),
         "training": training,
         "teacher_forced": {name: _short_metrics(summary[name]) for name in ("untrained", "trained") if name in summary},
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         relative = os.path.relpath(run_dir, REPO)
         python = expand("$(BIN)/python", makefile_variables(MAKEFILE.read_text()))
         commands = [*makefile_commands(), *tau_gap_commands(python, relative)]
-        timings = {"cache": cache, "commands": [timed(command) for command in commands]}
+        source = git_commit()  # before the commands: the tree may change while they run
+        timings = {"cache": cache, "source": source, "commands": [timed(command) for command in commands]}
         write_json(timings, run_dir / TIMINGS_FILE)
         result = collect(run_dir, timings)
     write_json(result, args.output)

@@ -267,7 +267,7 @@ def count_cuda_kernels(setup: StepSetup) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.train_step import optimized_step
-    from trainer.objective.loss import ObjectiveConfig
+    from trainer.objective.config import ObjectiveConfig
 
     draft = setups.make_draft(setup, "cuda", attn_implementation=GPU_ATTENTION).train()
     batch = setups.synthetic_batch(setup, "cuda")
@@ -366,7 +366,7 @@ def measure_step_memory(setup: StepSetup) -> dict[str, Any]:
     step that created the optimizer states and compiled flex_attention. Measured = peak minus what
     was allocated before the step's objects existed, minus the target embedding and head."""
     from benchmarks.train_step import optimized_step
-    from trainer.objective.loss import ObjectiveConfig
+    from trainer.objective.config import ObjectiveConfig
 
     gc.collect()
     torch.cuda.empty_cache()

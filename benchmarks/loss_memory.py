@@ -28,7 +28,8 @@ from benchmarks import setups
 from benchmarks.naive import naive_loss
 from trainer.cli import command_parser, run
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.objective.loss import ObjectiveConfig, dflash_loss
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import dflash_loss
 
 # glibc raises its mmap threshold after large frees and then serves big blocks from a heap it
 # rarely returns, so RSS would track allocator history rather than live tensors; a fixed threshold

@@ -15,7 +15,8 @@ import contextlib
 import torch
 
 import modeling_dflash2.modeling_dflash2 as modeling
-from trainer.objective.loss import ObjectiveConfig, decay_weights, embed_draft_ids
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import decay_weights, embed_draft_ids
 from trainer.objective.masks import attention_masks
 
 _fast_conv = modeling.grouped_dynamic_causal_conv

@@ -22,7 +22,8 @@ from benchmarks import setups
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
 from trainer.cli import command_parser, run
-from trainer.objective.loss import OBJECTIVE_LABEL, ObjectiveConfig
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import OBJECTIVE_LABEL
 
 STEP_LABEL = "benchmark::step"
 BACKWARD_LABEL = "benchmark::backward"

@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import setups
 from benchmarks.naive import naive_step
 from benchmarks.train_step import optimized_step
-from trainer.objective.loss import ObjectiveConfig
+from trainer.objective.config import ObjectiveConfig
 
 SETUPS = {"smollm2": setups.smollm2_setup, "large": setups.large_setup}
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")

@@ -14,7 +14,8 @@ from torch.profiler import record_function
 from benchmarks.flops import step_flops
 from benchmarks.naive import naive_step
 from benchmarks.setups import StepSetup, SyntheticBatch, make_draft, synthetic_batch
-from trainer.objective.loss import ObjectiveConfig, draft_objective
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import draft_objective
 
 
 def synchronize(device: str) -> None:

@@ -236,7 +236,7 @@ OBJECTIVE_NON_DEFAULTS = {
 
 
 def test_every_objective_field_is_a_training_argument_with_its_default_and_help():
-    from trainer.objective.loss import ObjectiveConfig, recipe_key
+    from trainer.objective.config import ObjectiveConfig, recipe_key
 
     arguments = {f.name: f for f in dataclasses.fields(DFlashTrainingArguments)}
     for knob in dataclasses.fields(ObjectiveConfig):
@@ -249,7 +249,7 @@ def test_every_objective_field_is_a_training_argument_with_its_default_and_help(
 
 
 def test_objective_config_round_trips_every_field_from_the_recipe(tmp_path):
-    from trainer.objective.loss import ObjectiveConfig, recipe_key
+    from trainer.objective.config import ObjectiveConfig, recipe_key
 
     assert set(OBJECTIVE_NON_DEFAULTS) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
     defaults = ObjectiveConfig()
@@ -262,7 +262,7 @@ def test_objective_config_round_trips_every_field_from_the_recipe(tmp_path):
 
 
 def test_help_lists_every_objective_recipe_key(capsys):
-    from trainer.objective.loss import ObjectiveConfig, recipe_key
+    from trainer.objective.config import ObjectiveConfig, recipe_key
 
     with pytest.raises(SystemExit):
         parse_arguments(["--help"])

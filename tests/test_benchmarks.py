@@ -16,7 +16,8 @@ from benchmarks.naive import naive_step
 from benchmarks.op_count import count_step_ops
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
-from trainer.objective.loss import ObjectiveConfig, embed_draft_ids
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import embed_draft_ids
 from trainer.objective.masks import attention_masks
 
 

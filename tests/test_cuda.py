@@ -25,7 +25,8 @@ from tests.test_speculative import OracleProposals
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.evaluation.speculative import spec_generate, target_generate
 from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
-from trainer.objective.loss import ObjectiveConfig, embed_draft_ids
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import embed_draft_ids
 from trainer.objective.masks import attention_masks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

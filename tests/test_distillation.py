@@ -14,7 +14,8 @@ from benchmarks.naive import naive_loss
 from modeling_dflash2 import unary_transform
 from tests.conftest import objective_batch, tiny_dflash_config, tiny_draft, tiny_v1_draft
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.objective.loss import ObjectiveConfig, dflash_loss, draft_objective, teacher_rows
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import dflash_loss, draft_objective, teacher_rows
 from trainer.objective.loss_head import Distillation, fused_unary_cross_entropy
 
 HIDDEN, VOCAB = 32, 50  # tiny_config's sizes

@@ -9,15 +9,13 @@ import torch
 
 from tests.conftest import objective_batch, tiny_dflash_config, tiny_draft, tiny_v1_draft
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
+from trainer.objective.config import ObjectiveConfig, default_gamma, selector_alpha_at
 from trainer.objective.loss import (
-    ObjectiveConfig,
     configure_selector_training,
     decay_weights,
-    default_gamma,
     dflash_loss,
     dpace_weights,
     draft_objective,
-    selector_alpha_at,
 )
 from trainer.objective.metrics import finalize_terms
 

@@ -342,13 +342,17 @@ def test_a_demo_run_times_the_makefile_commands_then_the_tau_gap_and_collects(tm
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     ran: list[str] = []
 
+    tree = {"commit": "before0", "dirty": False}
+
     def pretend(command: str) -> dict:
         if not ran:  # the first command (training) leaves the run folder
             fake_run(tmp_path)
+        tree.update(commit="after00", dirty=True)  # the working tree moves on while the demo runs
         ran.append(command)
         return {"command": command, "seconds": 2.5}
 
     monkeypatch.setattr(demo, "timed", pretend)
+    monkeypatch.setattr(demo, "git_commit", lambda: dict(tree))
     output = tmp_path / "demo.json"
     result = demo.main(["--run", str(tmp_path / "run"), "--output", str(output)])
     relative = demo.os.path.relpath(tmp_path / "run", demo.REPO)
@@ -359,3 +363,5 @@ def test_a_demo_run_times_the_makefile_commands_then_the_tau_gap_and_collects(tm
     assert [entry["seconds"] for entry in result["commands"]] == [2.5] * len(ran)
     assert json.loads((tmp_path / "run" / demo.TIMINGS_FILE).read_text())["commands"] == result["commands"]
     assert demo_doc.command_rows(result)[-1] == f"| all of them | {2.5 * len(ran):.1f} s |"
+    # the tree as the commands found it, not as it was when they finished (someone committed meanwhile)
+    assert (result["commit"], result["dirty"]) == ("before0", False)

@@ -21,7 +21,8 @@ from trainer.evaluation.tau_gap import (
 )
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import sample_anchors
-from trainer.objective.loss import ObjectiveConfig, draft_objective
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import draft_objective
 
 STOP = 2  # the tiny tokenizer's <|im_end|>
 # greedy answers of the tiny target below mix repeats (easy) and changes (hard); the last one

@@ -26,7 +26,8 @@ from torch import nn
 from modeling_dflash2 import DFlashDraftModel
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import build_blocks, sample_anchors
-from trainer.objective.loss import ObjectiveConfig, draft_objective
+from trainer.objective.config import ObjectiveConfig
+from trainer.objective.loss import draft_objective
 from trainer.objective.metrics import leading_run
 
 PATH_MODES = {"selector": "walk", "unary": "unary"}  # decoding path -> its teacher-forced metric

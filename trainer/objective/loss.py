@@ -22,8 +22,7 @@ micro-batches and ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import Field, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,136 +32,12 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling_dflash2 import DFlashDraftModel, join_lattices
 from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
+from trainer.objective.config import ObjectiveConfig, selector_chunk_blocks
 from trainer.objective.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
 from trainer.objective.masks import attention_masks
 from trainer.objective.metrics import MetricTerms, selector_terms, unary_terms
 
-LOSS_TYPES = ("ce", "dpace", "kd")
-DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
-SELECTOR_GOLD_MODES = ("skip", "insert")
 OBJECTIVE_LABEL = "dflash2::objective"  # profiler label: LM head, losses and metrics inside the draft forward
-
-
-def default_gamma(block_size: int) -> float | None:
-    """gamma 7 for B = 16 and 4 for B = 8 (the published recipes); no decay otherwise."""
-    return {16: 7.0, 8: 4.0}.get(block_size)
-
-
-RECIPE_KEY = "recipe_key"  # field metadata: the recipe key of a field whose recipe name differs from its own
-
-
-def _knob(default: Any, help: str, recipe_key: str | None = None) -> Any:
-    """A field with its default and the help text `--help` prints for its recipe key."""
-    metadata = {"help": help, **({RECIPE_KEY: recipe_key} if recipe_key else {})}
-    return field(default=default, metadata=metadata)
-
-
-def recipe_key(knob: Field) -> str:
-    """The recipe key (and training-argument name) of one of ObjectiveConfig's fields."""
-    return knob.metadata.get(RECIPE_KEY, knob.name)
-
-
-@dataclass
-class ObjectiveConfig:
-    """Knobs of the objective. Defaults are those of the published recipes where they name one.
-
-    Each field is declared here once, with its help text: `DFlashTrainingArguments` inherits them
-    under their recipe keys (`recipe_key`; only `chunk_blocks` is spelled `loss_chunk_blocks` there)
-    and `objective_config()` builds this from them, so the validation below is the only one.
-    """
-
-    num_anchors: int = _knob(512, "Anchor (block) slots per sequence.")
-    loss_type: str = _knob(
-        "ce",
-        "ce (gamma-decayed CE) | dpace (dynamic position-aware CE, weights from dpace_weighting) | kd "
-        "(gamma-decayed distillation from the target: ce with kd_weight 1).",
-    )
-    gamma: float | None = _knob(None, "Position decay exp(-(k-1)/gamma); unset: 7 for B=16, 4 for B=8; 0: off.")
-    dpace_alpha: float = _knob(0.5, "D-PACE smoothing in [0, 1]: s_k = (1 - alpha) exp(-l_k) + alpha.")
-    dpace_weighting: str = _knob("full", "D-PACE weights: full (W_k) | prefix (P_k) | suffix (W_k / P_k).")
-    kd_weight: float | None = _knob(
-        None, "Share of distillation in each slot's loss, (1 - w) CE + w T^2 KL; unset: 1 for kd, else 0."
-    )
-    kd_temperature: float = _knob(1.0, "Temperature of both distributions in the KD term.")
-    chunk_blocks: int = _knob(
-        16,
-        "Blocks per LM-head chunk: one chunk of logits is the loss head's peak memory.",
-        recipe_key="loss_chunk_blocks",
-    )
-    selector_alpha: float = _knob(1.0, "Weight of the selector's cross-entropy; 0 freezes the selector.")
-    selector_warmup_ratio: float = _knob(0.0, "Share of the steps before the selector term starts (alpha 0).")
-    selector_ramp_ratio: float = _knob(0.0, "Share of the steps over which alpha then ramps up to selector_alpha.")
-    selector_gold: str = _knob(
-        "skip",
-        "skip (gold outside the strict top-K gets weight 0, as serving never injects gold) | insert (gold "
-        "replaces the weakest candidate, training only).",
-    )
-    selector_stop_gradient: bool = _knob(False, "The selector term does not reach the backbone.")
-
-    def __post_init__(self) -> None:
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1 (got {self.num_anchors}).")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES} (got {self.loss_type!r}).")
-        if self.dpace_weighting not in DPACE_WEIGHTINGS:
-            raise ValueError(f"dpace_weighting must be one of {DPACE_WEIGHTINGS} (got {self.dpace_weighting!r}).")
-        if not 0.0 <= self.dpace_alpha <= 1.0:
-            raise ValueError(f"dpace_alpha must be in [0, 1] (got {self.dpace_alpha}).")
-        if self.kd_weight is not None and not (math.isfinite(self.kd_weight) and 0.0 <= self.kd_weight <= 1.0):
-            raise ValueError(f"kd_weight must be in [0, 1] (got {self.kd_weight}).")
-        if self.loss_type == "kd" and self.kd_weight == 0:
-            raise ValueError("loss_type kd with kd_weight 0 distills nothing: use loss_type ce, or kd_weight > 0.")
-        if not (math.isfinite(self.kd_temperature) and self.kd_temperature > 0):
-            raise ValueError(f"kd_temperature must be a finite number > 0 (got {self.kd_temperature}).")
-        if self.gamma is not None and not math.isfinite(self.gamma):
-            raise ValueError(f"gamma must be finite (got {self.gamma}).")
-        if self.chunk_blocks < 1:
-            raise ValueError(f"loss_chunk_blocks must be >= 1 (got {self.chunk_blocks}).")  # its recipe key
-        if not math.isfinite(self.selector_alpha) or self.selector_alpha < 0:
-            raise ValueError(f"selector_alpha must be finite and >= 0 (got {self.selector_alpha}).")
-        for name in ("selector_warmup_ratio", "selector_ramp_ratio"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1] (got {value}).")
-        if self.selector_gold not in SELECTOR_GOLD_MODES:
-            raise ValueError(f"selector_gold must be one of {SELECTOR_GOLD_MODES} (got {self.selector_gold!r}).")
-
-    def resolved_gamma(self, block_size: int) -> float | None:
-        gamma = default_gamma(block_size) if self.gamma is None else self.gamma
-        return gamma if gamma is not None and gamma > 0 else None
-
-    @property
-    def resolved_kd_weight(self) -> float:
-        if self.kd_weight is not None:
-            return self.kd_weight
-        return 1.0 if self.loss_type == "kd" else 0.0
-
-    @property
-    def distills(self) -> bool:
-        """Whether the objective needs the target's final hidden states (the teacher's logits)."""
-        return self.resolved_kd_weight > 0
-
-    @property
-    def selector_enabled(self) -> bool:
-        """Configured alpha == 0 freezes the selector and skips its term."""
-        return self.selector_alpha > 0
-
-
-def selector_alpha_at(step: int | None, total_steps: int | None, config: ObjectiveConfig) -> float:
-    """alpha_eff: 0 during warmup, a linear ramp, then alpha; alpha itself with no step context.
-
-    warm = floor(T * warmup), ramp = floor(T * ramp); alpha * clamp((step - warm + 1) / ramp, 0, 1).
-    """
-    alpha = config.selector_alpha
-    if step is None or total_steps is None:
-        return alpha
-    warm = math.floor(total_steps * config.selector_warmup_ratio)
-    ramp = math.floor(total_steps * config.selector_ramp_ratio)
-    if step < warm:
-        return 0.0
-    if ramp <= 0:
-        return alpha
-    return alpha * min(max((step - warm + 1) / ramp, 0.0), 1.0)
 
 
 def decay_weights(block_size: int, gamma: float | None, device: torch.device | None = None) -> torch.Tensor:
@@ -294,13 +169,6 @@ def _head_pass(
         gold=joined([piece.gold for piece in pieces]),
         kd=joined([piece.kd for piece in pieces]) if teacher is not None else None,
     )
-
-
-def selector_chunk_blocks(chunk_blocks: int, vocab_size: int, rank: int, top_k: int) -> int:
-    """Blocks per selector chunk: its [rows, K, r] codebook rows take no more memory than one LM-head
-    chunk's [rows, V] logits of `chunk_blocks` blocks, so the selector never raises the loss head's
-    peak (the planner sizes the loss head with this same function)."""
-    return chunk_blocks * max(1, vocab_size // max(1, top_k * rank))
 
 
 @dataclass

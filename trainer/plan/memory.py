@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.models.draft import load_draft_config
-from trainer.objective.loss import selector_chunk_blocks
+from trainer.objective.config import selector_chunk_blocks
 from trainer.plan.facts import (
     FP32,
     GIB,

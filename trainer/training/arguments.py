@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from trainer.objective.loss import ObjectiveConfig, recipe_key
+from trainer.objective.config import ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 from trainer.training.precision import post_init_without_device_checks
 from trainer.training.recipe_types import convert, field_choices, field_types

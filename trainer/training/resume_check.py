@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainer.objective.loss import ObjectiveConfig
+from trainer.objective.config import ObjectiveConfig
 from trainer.publishing.export import RECIPE_FILE
 
 logger = logging.getLogger(__name__)

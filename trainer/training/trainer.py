@@ -42,13 +42,8 @@ from trainer.fileio import replace_files_atomically, reporting_disk_full, write_
 from trainer.models.compile import compile_decoder_layers
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
-from trainer.objective.loss import (
-    ObjectiveResult,
-    configure_selector_training,
-    draft_objective,
-    loss_denominator,
-    selector_alpha_at,
-)
+from trainer.objective.config import selector_alpha_at
+from trainer.objective.loss import ObjectiveResult, configure_selector_training, draft_objective, loss_denominator
 from trainer.objective.metrics import MetricTerms, add_terms, flatten_terms, ratios
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import RECIPE_FILE, export_draft, remove_secrets
