@@ -139,7 +139,8 @@ class CheckShape:
         return flags
 
     def accelerate_config(self) -> dict[str, Any]:
-        """bf16 as `accelerate launch` sets it (TrainingArguments refuses `bf16: true` on a CPU)."""
+        """bf16 as `accelerate launch` sets it: the measured CPU step runs under accelerate's autocast
+        (a recipe's `bf16: true` would be cleared at launch on a CPU, which trains in float32)."""
         return {"mixed_precision": "bf16" if self.bf16 else "no"}
 
 
