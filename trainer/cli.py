@@ -19,12 +19,10 @@ from typing import Any, NoReturn
 
 import yaml
 
-from trainer.console import close_progress_bars
+from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.watchdog import watched_run
 
-DEBUG_FLAG = "--debug"
-USER_ERROR_STATUS = 2
 SILENT_RANK_GRACE_SECONDS = 5.0
 # ValueError covers refused recipes, export rules and Hub id validation; OSError covers missing
 # files, full disks and Hub HTTP/connection errors; YAMLError a recipe that is not YAML;

@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn
 
+from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS
+
 PROG = "dflash2"
-DEBUG_FLAG = "--debug"  # trainer.cli.DEBUG_FLAG, spelled here to keep torch out of `dflash2 --help`
-USER_ERROR_STATUS = 2  # trainer.cli.USER_ERROR_STATUS, likewise
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
-"""The terminal the commands share: a one-line message must not land after (or be redrawn over) a
-progress bar still open, so the open bars are closed first. Its own module because both the error
-convention (`trainer.cli`) and the lost-rank report (`trainer.training.watchdog`) print such lines."""
+"""The terminal the commands share: the flag and exit status of the one-line error convention, and
+closing open progress bars so such a line does not land after (or get redrawn over) one. Its own
+module, importing nothing heavy, because the torch-free dispatcher (`trainer.commands`), the error
+convention (`trainer.cli`) and the lost-rank report (`trainer.training.watchdog`) all use it."""
 
 from __future__ import annotations
+
+DEBUG_FLAG = "--debug"  # anywhere on a command line: the traceback of a user error instead of its one line
+USER_ERROR_STATUS = 2
 
 
 def close_progress_bars() -> None:
