@@ -117,7 +117,7 @@ def test_flex_mask_mod_equals_dense_mask():
     for causal, window in [(False, None), (True, 2), (False, 2)]:
 
         def mask_mod(b, h, q, kv, causal=causal, window=window):
-            return block_visible(b, q, kv, blocks.anchors, blocks.keep, 7, 2, causal, window)
+            return block_visible(b, q, kv, blocks.anchors, blocks.keep, blocks.starts, 7, 2, causal, window)
 
         dense = create_mask(mask_mod, 2, 1, 6, 13, device="cpu")
         assert torch.equal(dense, dense_block_mask(blocks, causal, window))

@@ -165,8 +165,13 @@ FEATURE_KEYS = ("target_hidden", "target_final_hidden")
 
 
 class DFlashCollator:
-    """Right-pads `input_ids` (pad id), `loss_mask` (0), `attention_mask`, and the stored target
-    features `target_hidden` and `target_final_hidden` (0)."""
+    """Right-pads `input_ids` (pad id), `loss_mask` (0), and the stored target features
+    `target_hidden` and `target_final_hidden` (0); adds `attention_mask` for rows of one sample.
+
+    Packed rows (`trainer.data.packing`) carry `position_ids` and get no `attention_mask`: their
+    padding is one more document (positions from 0 again) that no other document sees, which is
+    how transformers' packed-sequence masks keep documents apart (they apply only without a 2-D mask).
+    """
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -174,11 +179,15 @@ class DFlashCollator:
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         lengths = [len(sample["input_ids"]) for sample in samples]
         width = max(lengths)
+        packed = "position_ids" in samples[0]
         batch = {
             "input_ids": torch.full((len(samples), width), self.pad_token_id, dtype=torch.long),
             "loss_mask": torch.zeros(len(samples), width, dtype=torch.long),
-            "attention_mask": torch.zeros(len(samples), width, dtype=torch.long),
         }
+        if packed:
+            batch["position_ids"] = torch.zeros(len(samples), width, dtype=torch.long)
+        else:
+            batch["attention_mask"] = torch.zeros(len(samples), width, dtype=torch.long)
         features = [key for key in FEATURE_KEYS if key in samples[0]]
         for key in features:
             first = torch.as_tensor(samples[0][key])
@@ -186,7 +195,11 @@ class DFlashCollator:
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
             batch["input_ids"][row, :length] = torch.as_tensor(sample["input_ids"])
             batch["loss_mask"][row, :length] = torch.as_tensor(sample["loss_mask"])
-            batch["attention_mask"][row, :length] = 1
+            if packed:
+                batch["position_ids"][row, :length] = torch.as_tensor(sample["position_ids"])
+                batch["position_ids"][row, length:] = torch.arange(width - length)
+            else:
+                batch["attention_mask"][row, :length] = 1
             for key in features:
                 batch[key][row, :length] = torch.as_tensor(sample[key])
         return batch

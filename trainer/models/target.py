@@ -219,6 +219,7 @@ class FrozenTarget(TargetSizes):
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
+        self._packing_checked = False
 
     @property
     def source_name(self) -> str:
@@ -308,10 +309,15 @@ class FrozenTarget(TargetSizes):
         layer_ids: Sequence[int],
         full_depth: bool = False,
         final_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[b, S, n*H]: `hidden_states[id + 1]` for each id, concatenated in list order; with
         `final_hidden`, also the final (post-norm) hidden states [b, S, H] the LM head reads
         (distillation needs them), as a pair.
+
+        Packed rows pass `position_ids` (restarting at 0 per document) and no `attention_mask`:
+        transformers then builds a mask that keeps each document to itself (`check_packing` says
+        whether this target honours that).
 
         The forward stops right after decoder layer max(layer_ids): later layers, the final norm
         and the LM head never run. A forward hook on each needed layer keeps its output, and the
@@ -338,19 +344,59 @@ class FrozenTarget(TargetSizes):
             if layers is None and not full_depth:
                 _warn_whole_target_runs(type(self.backbone).__name__)
             output = self.backbone(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                output_hidden_states=True,
+                use_cache=False,
             )
             features = target_features(output.hidden_states, layer_ids)
             return (features, output.last_hidden_state) if final_hidden else features
         stop_after = None if final_hidden else deepest
         with _record_layer_outputs(layers, set(layer_ids), stop_after) as outputs, suppress(_DeepestLayerDone):
-            output = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            output = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
         if deepest not in outputs:
             raise RuntimeError(
                 f"{type(self.backbone).__name__}'s forward never ran decoder layer {deepest} (layers[{deepest}])."
             )
         features = torch.cat([outputs[layer_id] for layer_id in layer_ids], dim=-1)
         return (features, output.last_hidden_state) if final_hidden else features
+
+    def check_packing(self) -> None:
+        """Refuse (one line) a target that would let packed documents see each other.
+
+        Probed once on this very model (every rank alike): a row of two 8-token documents [A, C],
+        given as packed `position_ids` without a 2-D mask, must give C the hidden states of every
+        layer that C alone gives. Attention layers built on transformers' masks pass; a layer that
+        carries state along the row (linear attention, state-space, a custom mask) changes C's states
+        and is caught, as is a position embedding that does not restart."""
+        if self._packing_checked:
+            return
+        vocab = self.vocab_rows
+        first = (torch.arange(8, device=self.device) * 7 + 3) % vocab
+        second = (torch.arange(8, device=self.device) * 5 + 11) % vocab
+        positions = torch.arange(8, device=self.device)
+        ids = list(range(self.num_layers))
+        packed = self.capture(
+            torch.cat([first, second])[None],
+            None,
+            ids,
+            full_depth=True,
+            position_ids=torch.cat([positions, positions])[None],
+        )[:, 8:]
+        alone = self.capture(second[None], None, ids, full_depth=True)
+        scale = alone.abs().max().clamp(min=1e-6)
+        difference = float((packed.float() - alone.float()).abs().max() / scale)
+        tolerance = 1e-3 if alone.dtype in (torch.float32, torch.float64) else 5e-2
+        if not difference <= tolerance:
+            raise ValueError(
+                f"packing: true: {type(self.model).__name__} lets packed documents see each other (a document "
+                f"after another one differs from itself alone by {difference:.2g} of its scale across its layers; "
+                "its layers do not honour packed position_ids): set packing: false"
+            )
+        self._packing_checked = True
 
     # -- sharding across ranks ------------------------------------------------------------------
 

@@ -393,19 +393,21 @@ def draft_objective(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     forward_module: nn.Module | None = None,
     target_final_hidden: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> ObjectiveResult:
     """One batch end to end: anchors -> blocks -> masks -> draft forward -> objective.
 
     input_ids, loss_mask [b, S]; target_hidden [b, S, n*H]; target_final_hidden [b, S, H] (only
-    for distillation). Anchors come from `anchors`
+    for distillation); position_ids [b, S] for packed rows (each document's own, from 0), None
+    for rows of one document. Anchors come from `anchors`
     ((anchors, keep), e.g. drawn ahead by a trainer) or are drawn here with `draw`; `draw=None`
     takes every valid position in order (evaluation). `forward_module` is the (possibly DDP/FSDP
     wrapped) module to call; the objective runs inside its forward.
     """
     settings = draft.dflash
     if anchors is None:
-        anchors = sample_anchors(loss_mask, config.num_anchors, draw, row_ids)
-    blocks = build_blocks(input_ids, loss_mask, *anchors, settings.block_size, settings.mask_token_id)
+        anchors = sample_anchors(loss_mask, config.num_anchors, draw, row_ids, position_ids)
+    blocks = build_blocks(input_ids, loss_mask, *anchors, settings.block_size, settings.mask_token_id, position_ids)
     backend = draft.config._attn_implementation or "sdpa"
     masks = attention_masks(blocks, settings, "flex_attention" if backend == "flex_attention" else "sdpa")
     noise = embed_draft_ids(embedding_weight, blocks.draft_ids, settings.input_embedding_scale)

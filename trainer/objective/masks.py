@@ -1,8 +1,9 @@
 """Attention visibility of packed draft blocks, from one element-wise rule (docs/objective.md §4).
 
 Keys are `[context (S); draft (N*B)]`. Query slot q belongs to block n = q // B at offset o = q % B:
-- context key j is visible iff j < a_n (strictly before the anchor: the anchor's own target hidden
-  state does not exist yet at serving time), and, on sliding layers, a_n + o - j < W;
+- context key j is visible iff s_n <= j < a_n (strictly before the anchor: the anchor's own target
+  hidden state does not exist yet at serving time; from s_n, where the anchor's document starts in
+  a packed row, 0 otherwise), and, on sliding layers, a_n + o - j < W;
 - draft key j is visible iff it is in the same block; causal layers add p <= o, sliding layers
   |o - p| < W (one-sided when causal);
 - a dummy block's row sees only its own slot, so dense kernels never meet an all-masked row.
@@ -27,6 +28,7 @@ def block_visible(
     kv_idx: torch.Tensor,
     anchors: torch.Tensor,
     keep: torch.Tensor,
+    starts: torch.Tensor | None,
     context_length: int,
     block_size: int,
     causal: bool,
@@ -39,6 +41,8 @@ def block_visible(
     draft_idx = kv_idx - context_length
     is_context = kv_idx < context_length
     context_visible = is_context & (kv_idx < anchor)
+    if starts is not None:
+        context_visible = context_visible & (kv_idx >= starts[batch_idx, block])
     same_block = ~is_context & (draft_idx // block_size == block)
     key_offset = draft_idx % block_size
     if causal:
@@ -72,6 +76,7 @@ def dense_block_mask(blocks: BlockBatch, causal: bool, sliding_window: int | Non
         torch.arange(keys, device=device)[None, None, :],
         blocks.anchors,
         blocks.keep,
+        blocks.starts,
         blocks.context_length,
         blocks.block_size,
         causal,
@@ -92,12 +97,12 @@ def flex_block_mask(blocks: BlockBatch, causal: bool, sliding_window: int | None
     """The same rule as a flex_attention BlockMask (block-sparse over other and dummy blocks)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    anchors, keep = blocks.anchors, blocks.keep
+    anchors, keep, starts = blocks.anchors, blocks.keep, blocks.starts
     context_length, block_size = blocks.context_length, blocks.block_size
 
     def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
         return block_visible(
-            batch_idx, q_idx, kv_idx, anchors, keep, context_length, block_size, causal, sliding_window
+            batch_idx, q_idx, kv_idx, anchors, keep, starts, context_length, block_size, causal, sliding_window
         )
 
     queries = blocks.draft_ids.shape[1]

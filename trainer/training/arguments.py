@@ -82,6 +82,13 @@ class DataArguments:
     num_train_samples: int | None = None
     num_eval_samples: int = 0
     max_length: int = 2048
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Lay whole samples end to end in rows of up to max_length tokens, each document with its own "
+            "positions, masks and anchors (docs/objective.md §7): no compute on padding."
+        },
+    )
     max_new_tokens: int = 256
     max_prompt_length: int = field(default=1024, metadata={"help": "Longer prompts are skipped (count logged)."})
     generation_temperature: float = 0.0

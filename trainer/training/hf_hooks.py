@@ -66,6 +66,13 @@ HOOKS = (
         "called on resume with the checkpoint folder, after which an allowed learning-rate change is applied",
         args=("checkpoint-1",),
     ),
+    Hook(
+        "_get_train_sampler",
+        "returns the training sampler: for train_sampling_strategy group_by_length, overridden to hand HF's "
+        "LengthGroupedSampler the lengths read from the Arrow column (HF would read every sample, features "
+        "included)",
+        args=(None,),
+    ),
     Hook("_prepare_inputs", "moves an evaluation batch to the device in prediction_step", args=({},)),
     Hook(
         "save_model",

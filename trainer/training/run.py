@@ -23,6 +23,7 @@ import transformers
 from transformers import HfArgumentParser
 
 from trainer.data.dataset import DFlashCollator, build_datasets
+from trainer.data.packing import PackedDataset
 from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.models.draft import build_draft
@@ -63,6 +64,17 @@ def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
     return lock_run_folder(Path(training_args.output_dir))
 
 
+def check_packing(data_args, training_args) -> None:
+    """Refuse length grouping on packed rows: they are all about max_length long, so grouping them
+    would only take their random order away."""
+    strategy = training_args.train_sampling_strategy
+    if data_args.packing and strategy in ("group_by_length", "batch_rebalance"):
+        raise ValueError(
+            f"packing: true with train_sampling_strategy: {strategy}: packed rows are all about max_length long, "
+            "so there is nothing to group; choose one"
+        )
+
+
 def train_run(model_args, data_args, training_args) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.logging.set_verbosity_warning()
@@ -75,10 +87,15 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     )
     draft = build_draft(model_args)
     target.check_draft(draft.dflash, draft.config)
+    check_packing(data_args, training_args)
+    if data_args.packing and not data_args.offline:
+        target.check_packing()  # before any data is built: the target itself sees the packed rows
     with training_args.main_process_first(desc="building datasets"):
         train_dataset, eval_dataset = build_datasets(
             data_args, target, draft.target_layer_ids, final_hidden=training_args.objective_config().distills
         )
+    if data_args.packing:
+        train_dataset = PackedDataset.pack(train_dataset, data_args.max_length, training_args.seed)
     # The untrained baseline comes from an evaluation at step 0 inside the training loop (an
     # evaluate() before train() cannot prepare an FSDP2 model without its optimizer).
     training_args.eval_on_start = eval_dataset is not None

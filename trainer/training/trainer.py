@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.data.chat import end_of_turn_ids
+from trainer.data.packing import sample_lengths
 from trainer.evaluation.report import SpeculativeEvalCallback, prompt_ids
 from trainer.fileio import replace_files_atomically, reporting_disk_full, write_file_atomically
 from trainer.models.compile import compile_decoder_layers
@@ -135,6 +137,15 @@ class DFlash2Trainer(Trainer):
 
     # -- data: anchors and the global denominator of each optimizer step ------------------------
 
+    def _get_train_sampler(self, train_dataset=None):
+        """HF's sampler; `group_by_length` gets the samples' lengths from their Arrow column (HF would
+        read every sample to measure it, an offline one with its features)."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy != "group_by_length" or dataset is None:
+            return super()._get_train_sampler(train_dataset)
+        batch = self.args.train_batch_size * self.args.gradient_accumulation_steps
+        return LengthGroupedSampler(batch, lengths=sample_lengths(dataset))
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         if 0 < self.state.max_steps <= self.state.global_step:
             # Resumed from a checkpoint at max_steps: HF would run one step past it (it checks the
@@ -148,12 +159,13 @@ class DFlash2Trainer(Trainer):
         draw = AnchorDraw(seed=self.args.seed, step=self.state.global_step, rank=self.args.process_index)
         total = torch.zeros((), dtype=torch.float32, device=device)
         for micro_index, batch in enumerate(batch_samples):
-            loss_mask = batch["loss_mask"]
+            loss_mask, position_ids = batch["loss_mask"], batch.get("position_ids")
             rows = loss_mask.shape[0]
             row_ids = micro_index * self.args.per_device_train_batch_size + torch.arange(rows, device=loss_mask.device)
-            anchors, keep = sample_anchors(loss_mask, self.objective.num_anchors, draw, row_ids)
+            anchors, keep = sample_anchors(loss_mask, self.objective.num_anchors, draw, row_ids, position_ids)
+            settings = draft.dflash
             blocks = build_blocks(
-                batch["input_ids"], loss_mask, anchors, keep, draft.dflash.block_size, draft.dflash.mask_token_id
+                batch["input_ids"], loss_mask, anchors, keep, settings.block_size, settings.mask_token_id, position_ids
             )
             batch["anchors"], batch["anchor_keep"] = anchors, keep
             total = total + loss_denominator(blocks.weights, self.objective).to(device)
@@ -179,12 +191,16 @@ class DFlash2Trainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def _objective(self, model, draft: DFlashDraftModel, inputs: dict[str, Any]) -> ObjectiveResult:
-        input_ids, loss_mask = inputs["input_ids"], inputs["loss_mask"]
+        input_ids, loss_mask, position_ids = inputs["input_ids"], inputs["loss_mask"], inputs.get("position_ids")
         target_hidden, target_final = inputs.get("target_hidden"), inputs.get("target_final_hidden")
         distills = self.objective.distills
         if target_hidden is None:
+            if position_ids is not None:
+                self.target.check_packing()  # once: a target that cross-attends packed documents is refused
             attention_mask = inputs.get("attention_mask")
-            captured = self.target.capture(input_ids, attention_mask, draft.target_layer_ids, final_hidden=distills)
+            captured = self.target.capture(
+                input_ids, attention_mask, draft.target_layer_ids, final_hidden=distills, position_ids=position_ids
+            )
             target_hidden, target_final = captured if distills else (captured, None)
         elif distills and target_final is None:
             raise ValueError(
@@ -196,7 +212,7 @@ class DFlash2Trainer(Trainer):
             anchors = (inputs["anchors"], inputs["anchor_keep"])
         else:  # evaluation: deterministic anchors, by default at every valid position
             count = self.args.eval_num_anchors or loss_mask.shape[1]
-            anchors = sample_anchors(loss_mask, count, draw=None)
+            anchors = sample_anchors(loss_mask, count, draw=None, position_ids=position_ids)
         alpha = self.objective.selector_alpha
         if model.training:
             alpha = selector_alpha_at(self.state.global_step, self.state.max_steps, self.objective)
@@ -214,6 +230,7 @@ class DFlash2Trainer(Trainer):
             anchors=anchors,
             forward_module=model,
             target_final_hidden=target_final.to(dtype) if distills else None,
+            position_ids=position_ids,
         )
 
     # -- non-finite steps: never stepped into a checkpoint ----------------------------------------
