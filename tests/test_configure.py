@@ -22,11 +22,14 @@ from trainer.cli import run
 from trainer.models.target import TargetSource
 from trainer.plan import configure
 from trainer.plan.configure import choose_mask_token, main, target_layer_ids
+from trainer.plan.facts import GIB, read_accelerate_config
+from trainer.plan.memory import plan_run
 from trainer.publishing.contract import TargetDimensions, config_violations
 from trainer.training.arguments import parse_arguments
 
 FIXTURES = Path(__file__).parent / "fixtures" / "target_configs"
 HUB_CONFIGS = Path(__file__).resolve().parents[1] / "hub_configs"
+FSDP2 = Path(__file__).resolve().parents[1] / "examples" / "accelerate" / "fsdp2.yaml"
 
 
 def target_dir(tmp_path: Path, name: str) -> Path:
@@ -237,6 +240,52 @@ def test_starter_recipe_is_accepted_by_train(tmp_path, size):
     assert training_args.output_dir == "outputs/draft"
     header = recipe.read_text().splitlines()[0]
     assert header.startswith("# CPU trial" if size == "cpu" else "# 8-GPU node")
+
+
+def starter(tmp_path: Path, size: str) -> Path:
+    """The starter recipe of `size` for the Qwen3-8B draft (B = 16) of a config-only Qwen3-8B target."""
+    folder = tmp_path / size
+    folder.mkdir()
+    target = str(target_dir(folder, "qwen3-8b"))
+    recipe = folder / "recipe.yaml"
+    outputs = ["--output", str(folder / "draft.json"), "--recipe", str(recipe), "--recipe-size", size]
+    main([target, *LAYERS_AND_BLOCK, "--mask-token-id", "151669", *outputs])
+    return recipe
+
+
+def test_gpu_starter_recipe_is_packed_and_cpu_one_is_not(tmp_path):
+    gpu = starter(tmp_path, "gpu")
+    _, data_args, training_args = parse_arguments([str(gpu)])
+    assert data_args.packing is True and data_args.max_length == 4096 and training_args.num_anchors == 512
+    text = gpu.read_text()
+    assert "# packing: true: whole samples end to end" in text
+    assert "# 4088 block slots per 4096-token row (512 unpacked)." in text  # L = 4096, N = 512: 8 x 511
+    cpu = starter(tmp_path, "cpu")
+    _, data_args, training_args = parse_arguments([str(cpu)])
+    assert data_args.packing is False and (data_args.max_length, training_args.num_anchors) == (160, 16)
+    assert "each 160-token row could get up to\n# 150 block slots" in cpu.read_text()  # 10 x 15
+
+
+def test_gpu_starter_recipe_fits_the_qwen3_8b_draft_on_8_x_80_gb(tmp_path):
+    """Planned as its header says (FSDP2 bf16 over 8 ranks): packed, micro-batch 1 with activation
+    checkpointing fits; without checkpointing not even one packed row does, nor two rows of it."""
+    recipe = str(starter(tmp_path, "gpu"))
+    fsdp2 = read_accelerate_config(str(FSDP2))
+
+    def plan(*overrides: str):
+        return plan_run(*parse_arguments([recipe, *overrides]), 8, 80 * GIB, fsdp2)
+
+    packed = plan()
+    assert packed.settings["packing"].startswith("true (worst case 4088 block slots")
+    assert packed.settings["activation checkpointing"] == "on"
+    assert packed.micro_batch == 1 and packed.fits and packed.max_micro_batch == 2
+    assert round(packed.per_rank_bytes / GIB) == 42  # the figures the recipe's comment gives
+    assert round(plan("--activation_checkpointing", "false").per_rank_bytes / GIB) == 97
+    assert not plan("--activation_checkpointing", "false").fits
+    two_rows = plan("--activation_checkpointing", "false", "--per_device_train_batch_size", "2")
+    assert round(two_rows.per_rank_bytes / GIB) == 183 and two_rows.max_micro_batch == 0
+    _, _, training_args = parse_arguments([recipe])
+    assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 8
 
 
 def test_existing_output_is_not_replaced_without_overwrite(tmp_path, capsys):

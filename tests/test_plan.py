@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import itertools
 import json
 import math
 import shutil
@@ -22,9 +23,24 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import tiny_config_kwargs
 from trainer.cli import run
 from trainer.models.target import TargetSource
+from trainer.objective.blocks import AnchorDraw, sample_anchors
 from trainer.plan.cli import main
-from trainer.plan.facts import GIB, draft_facts, run_facts, target_config_location, target_facts
-from trainer.plan.memory import PARTS, plan_memory, plan_run
+from trainer.plan.facts import (
+    GIB,
+    draft_facts,
+    packed_block_slots,
+    run_facts,
+    target_config_location,
+    target_facts,
+)
+from trainer.plan.memory import (
+    PARTS,
+    backward_working_bytes,
+    loss_head_bytes,
+    plan_memory,
+    plan_run,
+    step_shape,
+)
 from trainer.training.arguments import parse_arguments
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,6 +238,96 @@ def test_features_online_against_offline_by_hand(qwen3_8b):
     online = parts_for(qwen3_8b, accelerate=accelerate()).parts["activations"]
     offline = parts_for(qwen3_8b, accelerate=accelerate(), offline=True, offline_dtype="float32")
     assert online - offline.parts["activations"] == 2 * rows * length * features * hidden
+
+
+# -- packed rows: the worst case of block slots per row ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_length", "num_anchors", "slots"),
+    [
+        (4096, 512, 4088),  # k = 8 documents of 512 tokens: 8 x 511 (k = 7: 7 x 512 = 3584; k = 9: 4087)
+        (160, 16, 150),  # k = 10 documents of 16 tokens: 10 x 15 (k = 9: 144; k = 11: 149)
+        (4096, 16, 3855),  # k = 241: min(241 x 16, 4096 - 241) = 3855 (k = 240: 3840)
+        (10, 5, 8),  # N >= L/2: two documents of 5 tokens, 2 x 4 (one document: 5)
+        (10, 9, 9),  # N = L - 1: one document of 10 tokens, all 9 of its anchors (two: 8)
+        (10, 100, 9),  # N > L - 1: L - 1, fewer than the N slots an unpacked row gets
+        (2, 1, 1),
+        (1, 4, 1),  # no valid anchor: one dummy slot, as sample_anchors gives
+    ],
+)
+def test_packed_block_slots_worked_by_hand(max_length, num_anchors, slots):
+    assert packed_block_slots(max_length, num_anchors) == slots
+
+
+def test_packed_block_slots_is_the_maximum_over_document_counts():
+    """The closed form against the definition: max over k documents of min(k N, L - k)."""
+    for length in range(1, 70):
+        for anchors in range(1, 75):
+            brute = max(min(k * anchors, length - k) for k in range(1, length + 1))
+            assert packed_block_slots(length, anchors) == max(brute, 1), (length, anchors)
+
+
+def _packed_row(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_mask, position_ids) [1, sum(lengths)] of fully supervised documents end to end."""
+    positions = torch.cat([torch.arange(length) for length in lengths])[None]
+    return torch.ones_like(positions), positions
+
+
+def test_packed_block_slots_bound_what_sample_anchors_gives():
+    """The objective's own anchor sampler reaches the bound on the worst-case row and never exceeds it."""
+    length, anchors = 160, 16
+    worst = [16] * 10  # ten documents of 16 tokens: 15 anchors each
+    loss_mask, positions = _packed_row(worst)
+    _, keep = sample_anchors(loss_mask, anchors, AnchorDraw(seed=0, step=0), position_ids=positions)
+    assert keep.shape[1] == int(keep.sum()) == packed_block_slots(length, anchors) == 150
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        cuts = torch.randperm(length - 1, generator=generator)[: int(torch.randint(0, 40, (1,), generator=generator))]
+        edges = [0, *sorted(int(cut) + 1 for cut in cuts), length]
+        loss_mask, positions = _packed_row([b - a for a, b in itertools.pairwise(edges)])
+        _, keep = sample_anchors(loss_mask, anchors, AnchorDraw(seed=1, step=0), position_ids=positions)
+        assert keep.shape[1] <= 150
+
+
+def test_packed_plan_budgets_the_worst_case_slots(qwen3_8b):
+    """Packed, the 8B recipe (L = 4096, N = 512, B = 16) is planned at 4088 slots a row: exactly the
+    unpacked plan with num_anchors 4088; parts linear in the slots grow by 4088 / 512."""
+    draft, _, arguments = qwen3_8b
+    fsdp = accelerate()
+    unpacked = parts_for(qwen3_8b, accelerate=fsdp)
+    packed = parts_for(qwen3_8b, accelerate=fsdp, packing=True)
+    as_many_anchors = parts_for(qwen3_8b, accelerate=fsdp, num_anchors=4088)
+    assert packed.parts == as_many_anchors.parts and packed.max_micro_batch == as_many_anchors.max_micro_batch
+    assert packed.parts["activations"] > 7 * unpacked.parts["activations"]
+    assert packed.settings["packing"] == "true (worst case 4088 block slots per row, 512 unpacked)"
+    assert unpacked.settings["packing"] == "false (512 block slots per row)"
+    groups = [copy.copy(group) for group in arguments]
+    plain_run = run_facts(*groups, 8, fsdp)
+    groups[1].packing = True
+    packed_run = run_facts(*groups, 8, fsdp)
+    assert (plain_run.block_slots, packed_run.block_slots) == (512, 4088)
+    packed_shape, plain_shape = step_shape(draft, packed_run, 4), step_shape(draft, plain_run, 4)
+    assert (packed_shape.context, packed_shape.blocks, packed_shape.tokens) == (4096, 4088, 4088 * 16)
+    assert (plain_shape.context, plain_shape.blocks, plain_shape.tokens) == (4096, 512, 512 * 16)
+    # backward's working set and the loss head's kept tensors are linear in the slots
+    packed_working = backward_working_bytes(draft, packed_run, packed_shape)
+    assert packed_working * 512 == backward_working_bytes(draft, plain_run, plain_shape) * 4088
+    packed_kept = loss_head_bytes(draft, packed_run, packed_shape)[0]
+    assert packed_kept * 512 == loss_head_bytes(draft, plain_run, plain_shape)[0] * 4088
+
+
+def test_packing_in_the_recipe_is_planned_and_shown(capsys, tmp_path):
+    recipe = tmp_path / "packed.yaml"
+    recipe.write_text(RECIPE_8B.read_text() + "\npacking: true\n")
+    target = ["--target", TARGETS / "qwen3-8b", "--accelerate-config", FSDP2]
+    packed = plan_json(capsys, recipe, *target)
+    assert packed == plan_json(capsys, RECIPE_8B, *target, "--packing", "true")
+    assert packed == plan_json(capsys, RECIPE_8B, *target, "--num_anchors", "4088")
+    assert packed["per_rank_bytes"] > plan_json(capsys, RECIPE_8B, *target)["per_rank_bytes"]
+    capsys.readouterr()
+    main([str(recipe), *map(str, target)])
+    assert "packing: true (worst case 4088 block slots per row, 512 unpacked)" in capsys.readouterr().out
 
 
 # -- weights, gradients and optimizer states of a tiny draft, by hand ----------------------------

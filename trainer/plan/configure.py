@@ -29,6 +29,7 @@ from modeling_dflash2 import DFlash2Config
 from trainer.cli import command_parser, run
 from trainer.fileio import write_file_atomically
 from trainer.models.target import TargetSource
+from trainer.plan.facts import packed_block_slots
 from trainer.publishing.contract import TargetDimensions, config_violations
 
 logger = logging.getLogger(__name__)
@@ -284,9 +285,39 @@ def load_tokenizer(source: TargetSource) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(source.name_or_path, **source.load_kwargs)
 
 
+# Comment lines written above a recipe key, saying why the starter recipes set it.
+CPU_PACKING_NOTE = (
+    "# packing: false: a trial of minutes on a CPU. Packed, each {max_length}-token row could get up to\n"
+    "# {slots} block slots (dflash2 plan budgets that worst case) instead of these {num_anchors}: about\n"
+    "# {ratio:.0f}x the draft's work a row.\n"
+)
+GPU_PACKING_NOTE = (
+    "# packing: true: whole samples end to end up to max_length, so the target computes nothing on\n"
+    "# padding; each document keeps its own positions, masks and num_anchors anchors. dflash2 plan budgets\n"
+    "# a packed row's worst case, rows full of short documents with an anchor on every valid position:\n"
+    "# {slots} block slots per {max_length}-token row ({num_anchors} unpacked).\n"
+)
+GPU_BATCH_NOTE = (
+    "# Sized with dflash2 plan for the Qwen3-8B B=16 draft on 8 x 80 GB (FSDP2, bf16): packed, micro-batch 2\n"
+    "# needs 183 GiB a rank and micro-batch 1 97 GiB, so activation checkpointing is on and micro-batch\n"
+    "# 1 x 8 accumulation keeps 8 rows a step (42 GiB a rank). Re-plan for another draft.\n"
+    "# (fsdp_activation_checkpointing: true in the accelerate config instead spares backward an all-gather.)\n"
+)
+
+
+def _commented(text: str, notes: dict[str, str]) -> str:
+    """`text` (a YAML mapping dumped one key a line) with each note written above its key's line."""
+    lines = text.splitlines(keepends=True)
+    for key, note in notes.items():
+        index = next(i for i, line in enumerate(lines) if line.startswith(f"{key}:"))
+        lines.insert(index, note)
+    return "".join(lines)
+
+
 def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | None = None) -> str:
     """A recipe `dflash2 train` accepts: `cpu` trains on packaged chat prompts in minutes, `gpu`
-    on UltraChat for an 8-GPU FSDP2 node (launch line in its header)."""
+    on UltraChat for an 8-GPU FSDP2 node (launch line in its header), packed, at the micro-batch
+    the planner fits for the Qwen3-8B draft on 80 GB GPUs."""
     output = f"outputs/{config_path.stem}"
     common: dict[str, Any] = {"target": target, "draft_config": str(config_path)}
     if gguf_file:
@@ -302,6 +333,7 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
             "max_new_tokens": 48,
             "max_prompt_length": 96,
             "max_length": 160,
+            "packing": False,
             "offline": True,
             "output_dir": output,
             "max_steps": 300,
@@ -336,11 +368,13 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
             "max_prompt_length": 1024,
             "max_new_tokens": 3072,
             "max_length": 4096,
+            "packing": True,
             "offline": False,
             "output_dir": output,
             "num_train_epochs": 3,
-            "per_device_train_batch_size": 2,
-            "gradient_accumulation_steps": 4,
+            "per_device_train_batch_size": 1,
+            "gradient_accumulation_steps": 8,
+            "activation_checkpointing": True,
             "learning_rate": 0.0006,
             "lr_scheduler_type": "cosine",
             "warmup_steps": 0.04,
@@ -352,7 +386,13 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
             "spec_eval_prompts": 0,
             "seed": 0,
         }
-    return header + yaml.safe_dump(body, sort_keys=False)
+    length, anchors = body["max_length"], body["num_anchors"]
+    slots = packed_block_slots(length, anchors)
+    packing_note = CPU_PACKING_NOTE if size == "cpu" else GPU_PACKING_NOTE
+    notes = {"packing": packing_note.format(max_length=length, num_anchors=anchors, slots=slots, ratio=slots / anchors)}
+    if size != "cpu":
+        notes["per_device_train_batch_size"] = GPU_BATCH_NOTE
+    return header + _commented(yaml.safe_dump(body, sort_keys=False), notes)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

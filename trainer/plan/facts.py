@@ -126,7 +126,29 @@ class RunFacts:
     optimizer_bytes_per_parameter: int
     device: str = "cuda"
     distills: bool = False  # kd_weight > 0: the target's final hidden states and the teacher's logits
+    packing: bool = False  # packed rows: documents end to end, each with its own anchor quota
     settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def block_slots(self) -> int:
+        """Block slots per row: `num_anchors` for rows of one document; for packed rows the worst
+        case over the documents a row can hold (`packed_block_slots`)."""
+        return packed_block_slots(self.max_length, self.num_anchors) if self.packing else self.num_anchors
+
+
+def packed_block_slots(max_length: int, num_anchors: int) -> int:
+    """The most block slots a packed row of `max_length` tokens can get (docs/planning.md, "Packed rows").
+
+    Each document gets min(N, its valid anchors) slots, and a document of l tokens has at most l - 1
+    valid anchors, so k documents get at most min(k*N, L - k): k*N grows and L - k shrinks with k,
+    so the maximum lies at k = floor(L / (N + 1)) or the next k. It is reached (rows of k fully
+    supervised documents of near-equal length), so it is the bound, not an estimate. At least 1,
+    as `sample_anchors` gives a row with no valid anchor one dummy slot."""
+    if max_length < 1 or num_anchors < 1:
+        raise ValueError(f"max_length={max_length}, num_anchors={num_anchors}: both must be >= 1")
+    crossing = max_length // (num_anchors + 1)
+    candidates = [k for k in (crossing, crossing + 1) if 1 <= k <= max_length]
+    return max(1, *(min(k * num_anchors, max_length - k) for k in candidates))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +379,12 @@ def run_facts(
         "features": "offline (from disk)" if data_args.offline else "online (target forward each step)",
         "objective": f"{objective.loss_type}, kd_weight {objective.resolved_kd_weight:g}",
     }
+    packing = data_args.packing
+    if packing:
+        slots = packed_block_slots(data_args.max_length, objective.num_anchors)
+        settings["packing"] = f"true (worst case {slots} block slots per row, {objective.num_anchors} unpacked)"
+    else:
+        settings["packing"] = f"false ({objective.num_anchors} block slots per row)"
     return RunFacts(
         world_size=num_gpus,
         micro_batch=training_args.per_device_train_batch_size,
@@ -378,4 +406,5 @@ def run_facts(
         device=device,
         settings=settings,
         distills=objective.distills,
+        packing=packing,
     )

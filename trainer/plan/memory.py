@@ -151,11 +151,12 @@ def optimizer_bytes(draft: DraftFacts, run: RunFacts) -> int:
 
 @dataclass(frozen=True)
 class StepShape:
-    """Per-row element counts of one micro-batch row: T = N*B draft tokens, S context tokens,
-    K = S + T keys."""
+    """Per-row element counts of one micro-batch row: N block slots (`num_anchors`, or a packed
+    row's worst case), T = N*B draft tokens, S context tokens, K = S + T keys."""
 
     rows: int
     context: int
+    blocks: int
     tokens: int
 
     @property
@@ -164,7 +165,10 @@ class StepShape:
 
 
 def step_shape(draft: DraftFacts, run: RunFacts, micro_batch: int) -> StepShape:
-    return StepShape(rows=micro_batch, context=run.max_length, tokens=run.num_anchors * draft.block_size)
+    """The context is max_length whether packed (rows are filled up to it) or not (a batch of
+    full-length samples, the case the plan is for)."""
+    blocks = run.block_slots
+    return StepShape(rows=micro_batch, context=run.max_length, blocks=blocks, tokens=blocks * draft.block_size)
 
 
 def _cast_copies(source: int, compute: int, consumers: int) -> int:
@@ -302,7 +306,7 @@ def loss_head_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> tuple
     become log p in place, log q and p; a 16-bit teacher output and logsumexp's working copy are
     gone by then), and keeps one fp32 divergence per row."""
     m, s, tb = run.precision.compute, run.precision.stream, run.target_bytes
-    blocks = shape.rows * run.num_anchors
+    blocks = shape.rows * shape.blocks
     slots = draft.block_size - 1
     rows = blocks * slots
     h, v, top_k = draft.hidden_size, draft.vocab_size, draft.selector_top_k if run.selector_enabled else 0
