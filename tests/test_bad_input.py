@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
@@ -53,6 +54,35 @@ def recipe(base: Path, where: Path, **changes) -> str:
     path = where / "recipe.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in values.items() if v is not None}))
     return str(path)
+
+
+def hybrid_target_recipe(base: Path, where: Path) -> list[str]:
+    """A recipe whose target is a tiny Qwen3-Next (linear-attention layers: state runs along the row)."""
+    tokenizer = tiny_target().tokenizer
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    Qwen3NextForCausalLM(config).save_pretrained(where / "hybrid")
+    tokenizer.save_pretrained(where / "hybrid")
+    return [recipe(base, where, target=str(where / "hybrid"), packing=True)]
 
 
 def data_file(where: Path, name: str, content: bytes) -> str:
@@ -220,6 +250,18 @@ CASES = [
         "recipe field learning_rate: 'fast' is not a float",
     ),
     Case("word for an int", "train", train_with(max_steps="four"), "recipe field max_steps: 'four' is not an int"),
+    Case(
+        "packing and length grouping",
+        "train",
+        train_with(packing=True, train_sampling_strategy="group_by_length"),
+        "packing: true with train_sampling_strategy: group_by_length: packed rows are all about max_length long",
+    ),
+    Case(
+        "packing on a target that mixes documents",
+        "train",
+        hybrid_target_recipe,
+        "packing: true: Qwen3NextForCausalLM lets packed documents see each other",
+    ),
     Case("bool for an int", "train", train_with(max_steps=True), "recipe field max_steps: True is not an int"),
     Case(
         "string for a bool", "train", train_with(regenerate="maybe"), "recipe field regenerate: 'maybe' is not a bool"

@@ -144,6 +144,26 @@ def test_flex_attention_in_bf16_is_as_accurate_as_dense_masks():
         assert flex_error <= max(2 * dense_error, 1e-2) and flex_error <= 5e-2, (name, flex_error, dense_error)
 
 
+def test_flex_attention_equals_dense_masks_on_packed_rows():
+    """Packed rows (documents of 8 + 12 and 6 + 6 + 8 tokens): the flex BlockMask keeps each block to
+    its own document exactly as the dense mask does (which tests/test_packing.py checks against
+    each document alone on CPU)."""
+    config = cuda_config(**HYBRID)
+    positions = torch.tensor([[*range(8), *range(12)], [*range(6), *range(6), *range(8)]], device=DEVICE)
+    loss_mask = torch.ones(2, 20, dtype=torch.long, device=DEVICE)
+    loss_mask[:, :2] = 0
+    input_ids = torch.randint(4, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    anchors, keep = sample_anchors(loss_mask, 2, AnchorDraw(seed=0, step=0), position_ids=positions)
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, config.block_size, config.mask_token_id, positions)
+    assert blocks.starts.unique().tolist() == [0, 6, 8, 12]
+    dense = forward_backward("sdpa", torch.float32, blocks, HYBRID)
+    flex = forward_backward("flex_attention", torch.float32, blocks, HYBRID)
+    check_exercised(flex)
+    for name, expected in dense.items():
+        error = relative_error(flex[name], expected)
+        assert error <= 5e-5, f"{name}: relative error {error:.2e}"
+
+
 def test_the_sliding_layer_changes_the_result():
     """Control: without the window the outputs differ, so the comparison above covers the window."""
     config = cuda_config(**HYBRID)

@@ -65,6 +65,10 @@ SCENARIOS = [
     Scenario("second_signal", 3, 128 + signal.SIGINT, 2, "received SIGINT again: exiting now"),
     Scenario("enospc", 4, 2, 2, "error: no space left on device while writing the checkpoint of step 4 "),
 ]
+# A packed run (packing: true): its rows, their order across the epoch boundary at step 5 and its
+# anchors replay exactly too.
+PACKED_SCENARIOS = [Scenario("between_steps", 5, KILLED, 4), Scenario("optimizer", 4, KILLED, 2)]
+PACKED = "packed-"
 
 
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -95,7 +99,8 @@ def played(tmp_path_factory) -> dict[str, dict]:
     global generator, which threads would share."""
     root = tmp_path_factory.mktemp("faults")
     jobs = {"reference": None, **{s.point: s for s in SCENARIOS}}
-    recipes = {name: write_tiny_run(root / name, **RUN) for name in jobs}
+    jobs.update({f"{PACKED}reference": None, **{f"{PACKED}{s.point}": s for s in PACKED_SCENARIOS}})
+    recipes = {name: write_tiny_run(root / name, **RUN, packing=name.startswith(PACKED)) for name in jobs}
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = pool.map(lambda name: play(root / name, recipes[name], jobs[name]), jobs)
         return dict(zip(jobs, results, strict=True))
@@ -103,9 +108,25 @@ def played(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.point for s in SCENARIOS])
 def test_a_faulted_run_resumes_to_exactly_the_uninterrupted_result(played, scenario):
-    reference = played["reference"]
+    check_resumed_exactly(played["reference"], played[scenario.point], scenario)
+
+
+@pytest.mark.parametrize("scenario", PACKED_SCENARIOS, ids=[s.point for s in PACKED_SCENARIOS])
+def test_a_faulted_packed_run_resumes_to_exactly_the_uninterrupted_packed_result(played, scenario):
+    check_resumed_exactly(played[f"{PACKED}reference"], played[f"{PACKED}{scenario.point}"], scenario)
+
+
+def test_the_packed_run_trains_on_packed_rows(played):
+    """Fewer rows than samples: the packed run's six steps cover more epochs (20 samples, 2 per row)."""
+
+    def final_epoch(result: dict) -> float:
+        return json.loads((result["output"] / "trainer_state.json").read_text())["epoch"]
+
+    assert final_epoch(played[f"{PACKED}reference"]) > 1.5 * final_epoch(played["reference"])
+
+
+def check_resumed_exactly(reference: dict, result: dict, scenario: Scenario) -> None:
     assert reference["faulted"].returncode == 0, reference["faulted"].stderr[-3000:]
-    result = played[scenario.point]
     faulted, resumed = result["faulted"], result["resumed"]
     assert faulted.returncode == scenario.status, faulted.stderr[-3000:]
     assert scenario.message in faulted.stderr

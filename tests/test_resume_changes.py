@@ -104,7 +104,13 @@ def no_weight_loading(monkeypatch):
 def record(**training) -> dict:
     return {
         "model_arguments": {"target": "/t", "draft_config": "d.json", "target_dtype": "float32", "lora_r": 0},
-        "data_arguments": {"dataset": "chat.jsonl", "max_length": 48, "cache_dir": "/c", "dataset_num_proc": None},
+        "data_arguments": {
+            "dataset": "chat.jsonl",
+            "max_length": 48,
+            "packing": False,
+            "cache_dir": "/c",
+            "dataset_num_proc": None,
+        },
         "training_arguments": {
             "learning_rate": 0.005,
             "num_anchors": 6,
@@ -140,7 +146,7 @@ def test_only_fields_that_change_the_run_are_listed_old_to_new():
         dataloader_num_workers=4,
     )
     new["model_arguments"].update(target="/moved/t", draft_config="other.json")  # same content: fingerprinted
-    new["data_arguments"].update(max_length=64, cache_dir="/elsewhere", dataset_num_proc=8)
+    new["data_arguments"].update(max_length=64, packing=True, cache_dir="/elsewhere", dataset_num_proc=8)
     new[IDENTITY_KEY]["draft_config"].update(block_size=8, target_layer_ids=[1, 3])
     new[IDENTITY_KEY].update(dataset="d2", world_size=2)
     assert changed_fields(old, new) == [
@@ -148,6 +154,7 @@ def test_only_fields_that_change_the_run_are_listed_old_to_new():
         ("target_layer_ids", [1, 2], [1, 3]),
         ("dataset", "d1", "d2"),
         ("max_length", 48, 64),
+        ("packing", False, True),
         ("loss_type", "ce", "kd"),
         ("learning_rate", 0.005, 0.01),
         ("world_size", 1, 2),

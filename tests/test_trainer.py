@@ -13,11 +13,13 @@ import torch
 import transformers.modeling_utils
 from safetensors.torch import load_file
 from transformers import TrainerCallback
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
 from trainer.data.dataset import DFlashCollator
 from trainer.data.feature_store import OfflineDataset, prepare_features
+from trainer.data.packing import PackedDataset
 from trainer.fileio import DiskFullError
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import checkpoint_problems
@@ -422,3 +424,35 @@ def test_both_fsdp_paths_take_the_one_full_state_dict_gather(target, dataset, tm
     saved = load_file(tmp_path / "draft" / "model.safetensors")
     assert saved and all(torch.all(tensor == 0.5) for tensor in saved.values())
     assert calls == ["gather", "gather"]
+
+
+def test_packed_rows_train_alike_online_and_offline(target, dataset, tmp_path):
+    """Captured on the packed row (online) or stored per sample and concatenated (offline): one loss."""
+    features = prepare_features(target, dataset, [1, 2], tmp_path / "cache")
+    online = make_trainer(target, PackedDataset.pack(dataset, 48, seed=0), tmp_path / "online", max_steps=3)
+    online.train()
+    offline_rows = PackedDataset.pack(OfflineDataset(dataset, features), 48, seed=0)
+    offline = make_trainer(target, offline_rows, tmp_path / "offline", max_steps=3)
+    offline.train()
+    assert len(offline_rows) < len(dataset) and offline_rows.rows == online.train_dataset.rows
+    assert _losses(offline) == pytest.approx(_losses(online), rel=1e-5)
+    unpacked = make_trainer(target, dataset, tmp_path / "unpacked", max_steps=3)
+    unpacked.train()
+    assert _losses(unpacked) != pytest.approx(_losses(online), rel=1e-3)
+
+
+def test_group_by_length_groups_by_the_arrow_lengths_without_reading_a_sample(target, dataset, tmp_path, monkeypatch):
+    features = prepare_features(target, dataset, [1, 2], tmp_path / "cache")
+    offline = OfflineDataset(dataset, features)
+    trainer = make_trainer(target, offline, tmp_path / "grouped", train_sampling_strategy="group_by_length")
+
+    def no_reading(self, index):
+        raise AssertionError("the sampler read a sample")
+
+    monkeypatch.setattr(OfflineDataset, "__getitem__", no_reading)
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, LengthGroupedSampler)
+    assert sampler.lengths == [len(ids) for ids in dataset["input_ids"]]
+    monkeypatch.undo()
+    trainer.train()
+    assert len(_losses(trainer)) == 4

@@ -1,5 +1,5 @@
 """Sequence packing: whole samples laid end to end in rows of at most `max_length` tokens, so the
-target's capture and the draft's context run on documents, not on padding (docs/objective.md §7).
+target's capture and the draft's context run on documents, not on padding (docs/objective.md §10).
 
 A packed row carries `position_ids` that restart at 0 where each sample starts; they are the only
 record of the boundaries, read alike by transformers' packed-sequence masks (the target) and by

@@ -6,7 +6,7 @@ beyond the valid count are dummy blocks (`keep` False) that carry no loss. Block
 `[n * B, (n + 1) * B)` of the packed draft sequence; its slot k sits at position `a_n + k` and
 predicts `input_ids[a_n + k]` (slot 0, the anchor itself, is never scored).
 
-Packed rows (docs/objective.md §7) hold several documents; `position_ids` [b, S] restart at 0 where
+Packed rows (docs/objective.md §10) hold several documents; `position_ids` [b, S] restart at 0 where
 each document starts (transformers' packed-sequence convention), and they alone say where the
 documents are. Each document is then treated as if it were its own row: an anchor and its first
 target lie in one document, a block's slots past its document's end carry no weight, its positions

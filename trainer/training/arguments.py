@@ -86,7 +86,7 @@ class DataArguments:
         default=False,
         metadata={
             "help": "Lay whole samples end to end in rows of up to max_length tokens, each document with its own "
-            "positions, masks and anchors (docs/objective.md §7): no compute on padding."
+            "positions, masks and anchors (docs/objective.md §10): no compute on padding."
         },
     )
     max_new_tokens: int = 256

@@ -10,7 +10,7 @@ line `field old → new`, unless the recipe lists them in `resume_allow_changes`
   depths, `selector_top_k`, `selector_rank`, ...), `lora_*`, the `target` (its fingerprint: the
   source, its config and a few sampled rows of its embedding and LM head) and `target_dtype`;
 - data: the `dataset` fingerprint (sample count and sampled rows of the tokenised training set)
-  and the settings that change what is trained on (`max_length`, `num_train_samples`,
+  and the settings that change what is trained on (`max_length`, `packing`, `num_train_samples`,
   `num_eval_samples`, the generation settings, columns, split, `system_prompt`, ...);
 - objective: every `ObjectiveConfig` field (`num_anchors`, `loss_type`, `gamma`, `kd_*`,
   `dpace_*`, `selector_*`);
@@ -73,6 +73,7 @@ DATA_FIELDS = (
     "num_train_samples",
     "num_eval_samples",
     "max_length",
+    "packing",
     "max_new_tokens",
     "max_prompt_length",
     "generation_temperature",
