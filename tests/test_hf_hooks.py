@@ -71,11 +71,27 @@ class RecordingTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         self.calls.append(("_load_optimizer_and_scheduler", {"checkpoint": checkpoint, "lr": self._lr()}))
 
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = ReversedSampler(len(self.train_dataset))
+        self.calls.append(("_get_train_sampler", {"returned": sampler}))
+        return sampler
+
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
     def named(self, name: str) -> list[dict]:
         return [details for called, details in self.calls if called == name]
+
+
+class ReversedSampler(torch.utils.data.Sampler):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __iter__(self):
+        return iter(range(self.count - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.count
 
 
 DATA = [{"x": torch.tensor([1.0]), "labels": torch.tensor([3.0])} for _ in range(8)]
@@ -163,6 +179,15 @@ def test_build_accelerator_args_is_called_at_init_and_returns_a_dynamo_plugin(tr
     assert isinstance(call["returned"], dict) and "dynamo_plugin" in call["returned"]
     assert isinstance(trained.is_fsdp_enabled, bool)
     assert all(hasattr(trained, name) for name in INSTANCE_ATTRIBUTES)
+
+
+def test_the_train_dataloader_samples_with_what_get_train_sampler_returns(tmp_path):
+    data = [{"x": torch.tensor([float(index)]), "labels": torch.tensor([0.0])} for index in range(8)]
+    trainer = make(tmp_path, save_strategy="no")
+    trainer.train_dataset = data
+    batches = [batch["x"].flatten().tolist() for batch in trainer.get_train_dataloader()]
+    assert len(trainer.named("_get_train_sampler")) == 1
+    assert batches == [[7.0, 6.0], [5.0, 4.0], [3.0, 2.0], [1.0, 0.0]]
 
 
 def test_every_hook_accepts_the_call_we_make_and_is_overridden_or_called_by_the_trainer():
