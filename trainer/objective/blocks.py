@@ -11,8 +11,8 @@ each document starts (transformers' packed-sequence convention), and they alone 
 documents are. Each document is then treated as if it were its own row: an anchor and its first
 target lie in one document, a block's slots past its document's end carry no weight, its positions
 are the document's own, and each document gets `num_anchors` slots of its own (so the number of
-anchors per supervised token is what it is unpacked); the row gets as many slots as its fullest
-row in the batch needs.
+anchors per supervised token is what it is unpacked); every row of the batch gets as many slots
+as its fullest row needs.
 """
 
 from __future__ import annotations
