@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo demo-results compare bench gpu-check engines-setup test-engines bench-engines clean
+.PHONY: setup test lint demo demo-results compare bench bench-packing gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,12 @@ compare: setup
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup
 	$(BIN)/python -m benchmarks.run
+
+# sequence packing against padding and length grouping alone (about 4 minutes on 2 cores), then the
+# docs from its JSON
+bench-packing: setup
+	$(BIN)/python -m benchmarks.packing --output benchmarks/results/packing.json
+	$(BIN)/python -m benchmarks.results_doc
 
 # the first thing to run on a GPU machine (<= 8 min on one GPU): the CUDA-only tests, then the GPU
 # benchmark (MFU, tok/s, op and kernel counts, allocator peak vs the memory planner); writes

@@ -1,4 +1,6 @@
-"""benchmarks/results/cpu.json (`make bench`) -> the generated sections of docs/performance.md.
+"""benchmarks/results/cpu.json (`make bench`) -> the generated sections of docs/performance.md;
+the packing section from benchmarks/results/packing.json (`make bench-packing`), its own file so
+it is refreshed without rerunning the whole of `make bench`.
 
 Whether each of the performance targets was reached is computed from the JSON, not written down.
 """
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.doc_parts import MIB, NOT_MEASURED, table
+from benchmarks.doc_parts import MIB, NOT_MEASURED, ratio_phrase, table
 
 
 def render_cpu_machine(cpu: dict[str, Any]) -> str:
@@ -189,4 +191,74 @@ def render_targets(cpu: dict[str, Any]) -> str:
         f"{reached(bool(speedups) and min(speedups) >= SPEEDUP_TARGET)} ("
         + " and ".join(f"{s:.1f}×" for s in speedups)
         + ")."
+    )
+
+
+PACKED_PADDING_TARGET = 0.05
+ORDER_LABELS = {
+    "padded": "random order, padded",
+    "grouped": "`group_by_length`",
+    "packed": "`packing: true`",
+}
+
+
+def render_packing(result: dict[str, Any]) -> str:
+    """benchmarks/results/packing.json (`make bench-packing`): the three orders side by side."""
+    lengths, settings, training = result["lengths"], result["settings"], result["training"]
+    padded_rate = result["supervised_tokens_per_second"]["padded"]
+    rows = [
+        [
+            ORDER_LABELS[name],
+            str(result["micro_batches"][name]),
+            f"{result['padding_fraction'][name]:.1%}",
+            f"{result['target_gflop_per_supervised_token'][name]:.1f}",
+            f"{training[name]['seconds_per_step']:.2f}",
+            f"{training[name]['supervised_tokens_per_micro_batch']:.0f} "
+            f"({training[name]['supervised_tokens_per_micro_batch_all']:.0f})",
+            f"{result['supervised_tokens_per_second'][name]:.0f}",
+            f"{result['supervised_tokens_per_second'][name] / padded_rate:.2f}×",
+        ]
+        for name in ("padded", "grouped", "packed")
+    ]
+    header = [
+        "order",
+        f"micro-batches at {settings['max_length']}",
+        "padding",
+        "Qwen3-8B capture GFLOP / supervised token",
+        "CPU s/step",
+        "CPU supervised tokens / micro-batch, drawn (all)",
+        "CPU supervised tok/s",
+        "vs padded",
+    ]
+    flops, check = settings["target_flops"], result["packed_vs_separate"]
+    rates = result["supervised_tokens_per_second"]
+    packed = result["padding_fraction"]["packed"]
+    return "\n".join(
+        [
+            f"{lengths['count']} samples of PyPI `chitchat-dataset` ({lengths['conversations_sampled']} of its "
+            f"{lengths['conversations_in_dataset']:,} conversations drawn with seed {settings['seed']}, SmolLM2-135M-"
+            f"Instruct's chat template and tokenizer, truncated to {lengths['truncated_to']} tokens, those without two "
+            f"adjacent assistant tokens dropped): median {lengths['median']:.0f} tokens, p90 {lengths['p90']:.0f}, "
+            f"p99 {lengths['p99']:.0f}, max {lengths['max']}, mean {lengths['mean']:.0f}; micro-batches of "
+            f"{settings['micro_batch']} at max_length {settings['max_length']} (the Qwen3-8B recipe). GFLOP: "
+            f"Qwen3-8B decoder layers 0–{flops['layers_run'] - 1} (the capture for target_layer_ids "
+            f"{flops['layer_ids']}), per-document attention for packed rows. CPU columns: real training steps on "
+            f"{settings['threads']} threads, SmolLM2-135M-Instruct capturing for the demo draft (its objective "
+            f"and AdamW), each order planned over the {training['samples']} samples cut to "
+            f"{settings['train_max_length']} tokens and {settings['train_steps']} of its micro-batches drawn at "
+            f"random and trained on after {settings['warmup_steps']} untimed (`python -m benchmarks.packing`, "
+            f"{result['seconds']:.0f} s in all).",
+            "",
+            *table(header, rows),
+            "",
+            f"Packed padding ≤ {PACKED_PADDING_TARGET:.0%}: {reached(packed <= PACKED_PADDING_TARGET)} "
+            f"({packed:.1%}). On this CPU packed training ran {rates['packed'] / rates['padded']:.2f}× the padded "
+            f"order's supervised tokens/s and {rates['packed'] / rates['grouped']:.2f}× the grouped order's "
+            f"({ratio_phrase(rates['packed'], rates['grouped'])} it; {settings['train_steps']} drawn micro-batches "
+            "an order, so this ratio carries the draw's noise as well as the machine's). "
+            f"The same {check['anchors']} anchors in three documents of "
+            f"{', '.join(str(n) for n in check['document_lengths'])} tokens packed in one row and run alone "
+            f"(SmolLM2 target and draft, float32): largest per-anchor loss difference "
+            f"{check['max_abs_loss_diff']:.1g}.",
+        ]
     )

@@ -3,7 +3,8 @@
 Every generated part of docs/results.md and docs/performance.md lies between a pair of markers
 (`<!-- NAME:begin -->` ... `<!-- NAME:end -->`) and is rewritten from its JSON under
 benchmarks/results/: demo.json (`python -m benchmarks.demo`), engines.json (`make bench-engines`),
-cpu.json (`make bench`) and compare.json (a copy of `make compare`'s outputs/compare/comparison.json).
+cpu.json (`make bench`), packing.json (`make bench-packing`, also written by `make bench`) and
+compare.json (a copy of `make compare`'s outputs/compare/comparison.json).
 Sentences that carry numbers are templates filled from the JSON (benchmarks.demo_doc,
 benchmarks.cpu_doc, benchmarks.engines.render; the pieces in benchmarks.doc_parts), and the
 comparisons in them (which path is ahead, whether a target was reached) are computed, never
@@ -57,6 +58,7 @@ DOCUMENTS: dict[Path, tuple[Section, ...]] = {
         Section("cpu-spec-decode", "cpu.json", cpu_doc.render_spec_decode),
         Section("cpu-loss-memory", "cpu.json", cpu_doc.render_loss_memory),
         Section("cpu-targets", "cpu.json", cpu_doc.render_targets),
+        Section("packing", "packing.json", cpu_doc.render_packing),
     ),
 }
 

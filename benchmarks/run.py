@@ -5,7 +5,9 @@ speed-up over the naive reference, loss agreement); ATen ops per step by phase, 
 DFlash v1; `torch_compile` against eager; loss-head peak memory against the number of anchors,
 chunked vs unchunked; the target's context capture, truncated vs full depth; the memory planner
 against measured peaks; speculative decoding tokens/s with SmolLM2; regeneration in process against
-an endpoint (CPU only). Writes JSON under
+an endpoint (CPU only); sequence packing against padding and length grouping (`benchmarks.packing`,
+CPU only; also written alone to benchmarks/results/packing.json, which docs/performance.md's packing
+section is rendered from). Writes JSON under
 benchmarks/results/ and prints Markdown tables. Not part of `make test`.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from benchmarks import plan_check, regeneration, setups
+from benchmarks import packing, plan_check, regeneration, setups
 from benchmarks.capture import bench_capture
 from benchmarks.compile_step import bench_compile
 from benchmarks.loss_memory import MODES, sweep
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-spec", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-regeneration", action="store_true")
+    parser.add_argument("--skip-packing", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.quick and not args.skip_regeneration and not gpu:
         results["regeneration"] = regeneration.bench_smollm2()
     RESULTS.mkdir(exist_ok=True)
+    if not args.quick and not args.skip_packing and not gpu:
+        results["packing"] = packing.bench_packing()
+        if not args.output:
+            (RESULTS / "packing.json").write_text(json.dumps(results["packing"], indent=2) + "\n")
     output = Path(args.output) if args.output else RESULTS / f"{'quick' if args.quick else args.device}.json"
     output.write_text(json.dumps(results, indent=2))
     print(tables(results))
@@ -151,6 +158,8 @@ def tables(results: dict) -> str:
             )
     if "regeneration" in results:
         lines += ["", regeneration.table(results["regeneration"])]
+    if "packing" in results:
+        lines += ["", packing.table(results["packing"])]
     return "\n".join(lines)
 
 

@@ -159,3 +159,59 @@ def test_op_count_command_takes_its_setup(capsys):
     counts = op_count.main(["--setup", "tiny"])
     assert json.loads(capsys.readouterr().out) == counts
     assert counts == op_count.op_counts(setups.tiny_setup())
+
+
+def test_packing_flop_count_worked_by_hand_and_against_the_capture_count():
+    from benchmarks.capture import TargetShape, layer_flops_per_token
+    from benchmarks.packing import batch_target_flops, orders
+
+    tiny = TargetShape(hidden=4, intermediate=8, layers=3, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    # per position: q 32, k and v 32, o 32, SwiGLU 192 = 288; per causal pair 2*2*heads*head_dim = 16.
+    # padded rows of 3 and 1 tokens, width 3: 6 positions, 2 * (1+2+3) pairs -> 6*288 + 12*16 = 1920 a layer.
+    assert batch_target_flops([[3], [1]], tiny, 2, packed=False) == 2 * 1920
+    # packed rows [2, 1] and [1] (+ a 2-token padding tail): pairs 3+1 and 1+3 -> 6*288 + 8*16 = 1856.
+    assert batch_target_flops([[2, 1], [1]], tiny, 2, packed=True) == 2 * 1856
+    # one unpadded row is benchmarks.capture's per-token count times its tokens
+    assert batch_target_flops([[7]], tiny, 3, packed=False) == 7 * 3 * layer_flops_per_token(tiny, 7)
+    lengths = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2]
+    for name, batches in orders(lengths, 4, 10, seed=3).items():
+        assert sorted(i for batch in batches for row in batch for i in row) == list(range(len(lengths))), name
+        assert all(len(batch) <= 4 for batch in batches) and all(
+            sum(lengths[i] for i in row) <= 10 for b in batches for row in b
+        )
+
+
+def test_packing_cut_conversations_tokenize_as_the_whole_one_truncated():
+    """The benchmark templates a long conversation only up to max_length; the tokens and loss mask are
+    those of the whole conversation, truncated."""
+    from benchmarks.packing import TARGET, as_chat, chitchat_conversations, tokenize_truncated
+    from trainer.data.chat import tokenize_chat
+    from trainer.models.target import FrozenTarget
+
+    tokenizer = FrozenTarget.load(TARGET).tokenizer
+    long = [c for c in chitchat_conversations() if 40 <= len(c) <= 60][:3]
+    for conversation in long:
+        whole = tokenize_chat(tokenizer, as_chat(conversation))
+        assert len(whole["input_ids"]) > 300
+        for max_length in (64, 300):
+            cut = tokenize_truncated(tokenizer, conversation, max_length)
+            assert cut == {key: values[:max_length] for key, values in whole.items()}
+
+
+def test_packing_quick_run_pads_less_and_computes_less_with_the_same_losses(capsys):
+    """`python -m benchmarks.packing --quick --json`: real chitchat lengths; packing pads at most 5%."""
+    from benchmarks import packing
+
+    result = packing.main(["--quick", "--json"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
+    padding, gflop = result["padding_fraction"], result["target_gflop_per_supervised_token"]
+    for key in ("padding_fraction", "target_gflop_per_supervised_token", "supervised_tokens_per_second"):
+        assert set(result[key]) == {"padded", "grouped", "packed"} and all(v > 0 for v in result[key].values())
+    assert padding["packed"] <= 0.05 and padding["packed"] < padding["grouped"] < padding["padded"]
+    assert gflop["packed"] < gflop["padded"] and gflop["grouped"] < gflop["padded"]
+    assert result["packed_vs_separate_max_abs_loss_diff"] < 1e-4
+    assert len(set(result["packed_vs_separate"]["document_lengths"])) == 3
+    lengths = result["lengths"]
+    assert lengths["count"] > 50 and lengths["median"] <= lengths["p90"] <= lengths["p99"] <= lengths["max"]
+    assert "chitchat" in lengths["source"] and "SmolLM2" in lengths["source"]
+    assert "| packed |" in packing.table(result)

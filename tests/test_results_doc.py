@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import demo, demo_doc, doc_parts, results_doc
+from benchmarks import cpu_doc, demo, demo_doc, doc_parts, results_doc
 from trainer.cli import run
 
 
@@ -365,3 +365,57 @@ def test_a_demo_run_times_the_makefile_commands_then_the_tau_gap_and_collects(tm
     assert demo_doc.command_rows(result)[-1] == f"| all of them | {2.5 * len(ran):.1f} s |"
     # the tree as the commands found it, not as it was when they finished (someone committed meanwhile)
     assert (result["commit"], result["dirty"]) == ("before0", False)
+
+
+def tiny_packing(packed_padding: float) -> dict:
+    """A packing.json small enough to check the section by hand."""
+    orders = ("padded", "grouped", "packed")
+    training = {
+        name: {
+            "seconds_per_step": 2.0,
+            "supervised_tokens_per_micro_batch": 100.0 * (i + 1),
+            "supervised_tokens_per_micro_batch_all": 90.0 * (i + 1),
+        }
+        for i, name in enumerate(orders)
+    }
+    return {
+        "lengths": {
+            "count": 50,
+            "conversations_sampled": 80,
+            "conversations_in_dataset": 7168,
+            "truncated_to": 4096,
+            "median": 300,
+            "p90": 1500.0,
+            "p99": 4000.0,
+            "max": 4096,
+            "mean": 600.4,
+        },
+        "settings": {
+            "seed": 0,
+            "micro_batch": 4,
+            "max_length": 4096,
+            "threads": 2,
+            "train_max_length": 512,
+            "train_steps": 6,
+            "warmup_steps": 1,
+            "target_flops": {"layers_run": 34, "layer_ids": [1, 33]},
+        },
+        "training": {"samples": 40, **training},
+        "micro_batches": {"padded": 13, "grouped": 13, "packed": 8},
+        "padding_fraction": {"padded": 0.5, "grouped": 0.1, "packed": packed_padding},
+        "target_gflop_per_supervised_token": {"padded": 80.0, "grouped": 40.0, "packed": 35.0},
+        "supervised_tokens_per_second": {"padded": 50.0, "grouped": 55.0, "packed": 60.0},
+        "packed_vs_separate": {"anchors": 12, "document_lengths": [96, 45, 41], "max_abs_loss_diff": 3e-5},
+        "seconds": 200.0,
+    }
+
+
+def test_packing_section_computes_whether_the_padding_target_was_reached():
+    text = cpu_doc.render_packing(tiny_packing(0.009))
+    assert "| `packing: true` | 8 | 0.9% | 35.0 | 2.00 | 300 (270) | 60 | 1.20× |" in text
+    assert "| random order, padded | 13 | 50.0% | 80.0 | 2.00 | 100 (90) | 50 | 1.00× |" in text
+    assert "Packed padding ≤ 5%: reached (0.9%)" in text and "difference 3e-05" in text
+    assert "ran 1.20× the padded order's supervised tokens/s and 1.09× the grouped order's (above it;" in text
+    assert "The same 12 anchors in three documents of 96, 45, 41 tokens" in text
+    assert "decoder layers 0–33" in text and "median 300 tokens, p90 1500" in text
+    assert "Packed padding ≤ 5%: **not reached** (6.0%)" in cpu_doc.render_packing(tiny_packing(0.06))
