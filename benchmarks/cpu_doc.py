@@ -202,6 +202,12 @@ ORDER_LABELS = {
 }
 
 
+def dense_ratio(training: dict[str, Any], first: str, second: str) -> float:
+    """How many times `first`'s dense draft attention pairs per supervised token `second`'s are."""
+    pairs = {name: training[name]["draft_attention_pairs_per_supervised_token"]["dense"] for name in (first, second)}
+    return pairs[first] / pairs[second]
+
+
 def render_packing(result: dict[str, Any]) -> str:
     """benchmarks/results/packing.json (`make bench-packing`): the three orders side by side."""
     lengths, settings, training = result["lengths"], result["settings"], result["training"]
@@ -217,6 +223,9 @@ def render_packing(result: dict[str, Any]) -> str:
             f"({training[name]['supervised_tokens_per_micro_batch_all']:.0f})",
             f"{result['supervised_tokens_per_second'][name]:.0f}",
             f"{result['supervised_tokens_per_second'][name] / padded_rate:.2f}×",
+            f"{training[name]['blocks_per_supervised_token']:.3f}",
+            f"{training[name]['draft_attention_pairs_per_supervised_token']['dense']:.0f} "
+            f"({training[name]['draft_attention_pairs_per_supervised_token']['visible']:.0f})",
         ]
         for name in ("padded", "grouped", "packed")
     ]
@@ -229,6 +238,8 @@ def render_packing(result: dict[str, Any]) -> str:
         "CPU supervised tokens / micro-batch, drawn (all)",
         "CPU supervised tok/s",
         "vs padded",
+        "CPU blocks / supervised token",
+        "CPU draft attention pairs / supervised token, dense (visible)",
     ]
     flops, check = settings["target_flops"], result["packed_vs_separate"]
     rates = result["supervised_tokens_per_second"]
@@ -256,6 +267,11 @@ def render_packing(result: dict[str, Any]) -> str:
             f"order's supervised tokens/s and {rates['packed'] / rates['grouped']:.2f}× the grouped order's "
             f"({ratio_phrase(rates['packed'], rates['grouped'])} it; {settings['train_steps']} drawn micro-batches "
             "an order, so this ratio carries the draw's noise as well as the machine's). "
+            "Every order trains about as many blocks per supervised token (each document its own anchors), but a "
+            "dense mask scores every query against every key of its row: a packed row holds several documents' "
+            f"blocks, so its dense draft attention costs {dense_ratio(training, 'packed', 'grouped'):.1f}× the "
+            "grouped order's per supervised token for the same visible pairs, on the CPU's sdpa path; "
+            "flex_attention's block masks (CUDA) skip the other documents' and blocks' keys. "
             f"The same {check['anchors']} anchors in three documents of "
             f"{', '.join(str(n) for n in check['document_lengths'])} tokens packed in one row and run alone "
             f"(SmolLM2 target and draft, float32): largest per-anchor loss difference "

@@ -76,9 +76,10 @@ from trainer.data.chat import tokenize_chat
 from trainer.data.dataset import DFlashCollator
 from trainer.data.packing import PackedDataset, pack_rows, padding_fraction
 from trainer.models.target import FrozenTarget
-from trainer.objective.blocks import AnchorDraw, sample_anchors, valid_anchor_mask
+from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors, valid_anchor_mask
 from trainer.objective.config import ObjectiveConfig
 from trainer.objective.loss import draft_objective
+from trainer.objective.masks import attention_masks
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_8B_RECIPE = REPO / "examples" / "recipes" / "qwen3-8b-fsdp2.yaml"
@@ -313,6 +314,25 @@ def train_step(target: FrozenTarget, draft, optimizer, batch: dict[str, torch.Te
     return float(result.loss.detach())
 
 
+def draft_attention_pairs(draft, batch: dict[str, torch.Tensor], config, step: int, seed: int) -> dict[str, int]:
+    """The draft's (query, key) attention pairs of one step, summed over its layers, as dense masks
+    compute them (every query against every key of its row) and as visible (what flex_attention's
+    block sparsity comes near), and the kept blocks: the anchors `train_step` draws for the batch."""
+    settings, position_ids = draft.dflash, batch.get("position_ids")
+    draw = AnchorDraw(seed=seed, step=step)
+    anchors = sample_anchors(batch["loss_mask"], config.num_anchors, draw, position_ids=position_ids)
+    blocks = build_blocks(
+        batch["input_ids"], batch["loss_mask"], *anchors, settings.block_size, settings.mask_token_id, position_ids
+    )
+    masks = attention_masks(blocks, settings)
+    layers = [masks[layer_type] for layer_type in settings.layer_types]
+    return {
+        "dense": sum(mask.numel() for mask in layers),
+        "visible": sum(int(mask.sum()) for mask in layers),
+        "blocks": int(blocks.keep.sum()),
+    }
+
+
 def training_throughput(target: FrozenTarget, samples: Sequence[Sample], settings: Settings) -> dict[str, Any]:
     """Supervised tokens/s of real training steps in each order: every order is planned over all of
     `samples`, and the same number of its micro-batches, drawn at random with the seed, is trained
@@ -348,6 +368,11 @@ def training_throughput(target: FrozenTarget, samples: Sequence[Sample], setting
         supervised = int(sum(batch["loss_mask"].sum() for batch in timed))
         seconds = sum(states[name][2])
         every = [sum(sum(samples[i]["loss_mask"]) for row in batch for i in row) for batch in planned[name]]
+        draft = states[name][0]
+        pairs = [
+            draft_attention_pairs(draft, batch, config, step, settings.seed)
+            for step, batch in enumerate(timed, start=settings.warmup_steps)
+        ]
         report[name] = {
             "micro_batches": len(planned[name]),
             "steps": len(timed),
@@ -358,6 +383,10 @@ def training_throughput(target: FrozenTarget, samples: Sequence[Sample], setting
             "seconds": seconds,
             "seconds_per_step": seconds / len(timed),
             "supervised_tokens_per_second": supervised / seconds,
+            "blocks_per_supervised_token": sum(pair["blocks"] for pair in pairs) / supervised,
+            "draft_attention_pairs_per_supervised_token": {
+                kind: sum(pair[kind] for pair in pairs) / supervised for kind in ("dense", "visible")
+            },
         }
     return report
 

@@ -215,3 +215,6 @@ def test_packing_quick_run_pads_less_and_computes_less_with_the_same_losses(caps
     assert lengths["count"] > 50 and lengths["median"] <= lengths["p90"] <= lengths["p99"] <= lengths["max"]
     assert "chitchat" in lengths["source"] and "SmolLM2" in lengths["source"]
     assert "| packed |" in packing.table(result)
+    for name in ("padded", "grouped", "packed"):  # dense masks score at least every visible pair
+        pairs = result["training"][name]["draft_attention_pairs_per_supervised_token"]
+        assert pairs["dense"] >= pairs["visible"] > 0 and result["training"][name]["blocks_per_supervised_token"] > 0

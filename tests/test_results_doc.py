@@ -375,6 +375,8 @@ def tiny_packing(packed_padding: float) -> dict:
             "seconds_per_step": 2.0,
             "supervised_tokens_per_micro_batch": 100.0 * (i + 1),
             "supervised_tokens_per_micro_batch_all": 90.0 * (i + 1),
+            "blocks_per_supervised_token": 0.125,
+            "draft_attention_pairs_per_supervised_token": {"dense": 4000.0 * (i + 1), "visible": 250.0},
         }
         for i, name in enumerate(orders)
     }
@@ -412,8 +414,9 @@ def tiny_packing(packed_padding: float) -> dict:
 
 def test_packing_section_computes_whether_the_padding_target_was_reached():
     text = cpu_doc.render_packing(tiny_packing(0.009))
-    assert "| `packing: true` | 8 | 0.9% | 35.0 | 2.00 | 300 (270) | 60 | 1.20× |" in text
-    assert "| random order, padded | 13 | 50.0% | 80.0 | 2.00 | 100 (90) | 50 | 1.00× |" in text
+    assert "| `packing: true` | 8 | 0.9% | 35.0 | 2.00 | 300 (270) | 60 | 1.20× | 0.125 | 12000 (250) |" in text
+    assert "| random order, padded | 13 | 50.0% | 80.0 | 2.00 | 100 (90) | 50 | 1.00× | 0.125 | 4000 (250) |" in text
+    assert "its dense draft attention costs 1.5× the grouped order's per supervised token" in text
     assert "Packed padding ≤ 5%: reached (0.9%)" in text and "difference 3e-05" in text
     assert "ran 1.20× the padded order's supervised tokens/s and 1.09× the grouped order's (above it;" in text
     assert "The same 12 anchors in three documents of 96, 45, 41 tokens" in text
