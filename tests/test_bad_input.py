@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import Qwen3NextForCausalLM
 
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
-from tests.tiny_target import tiny_draft_config_for, tiny_target
+from tests.tiny_target import tiny_draft_config_for, tiny_hybrid_config, tiny_target
 from trainer.cli import run
 from trainer.data import prepare
 from trainer.evaluation import evaluate_command as evaluate
@@ -59,23 +59,9 @@ def recipe(base: Path, where: Path, **changes) -> str:
 def hybrid_target_recipe(base: Path, where: Path) -> list[str]:
     """A recipe whose target is a tiny Qwen3-Next (linear-attention layers: state runs along the row)."""
     tokenizer = tiny_target().tokenizer
-    config = Qwen3NextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_value_heads=2,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        layer_types=["linear_attention", "full_attention"] * 2,
+    config = tiny_hybrid_config(
+        len(tokenizer),
+        layers=4,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import Qwen3NextForCausalLM
 
 from modeling_dflash2 import DFlash2DraftModel
-from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
+from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_hybrid_config, tiny_target
 from trainer.data.dataset import DFlashCollator
 from trainer.data.feature_store import OfflineDataset, prepare_features
 from trainer.data.packing import PackedDataset, pack_rows, padding_fraction, sample_lengths
@@ -256,24 +256,7 @@ def test_a_target_that_honours_packed_positions_passes_the_check():
 
 def test_a_target_whose_layers_carry_state_across_documents_is_refused_in_one_line():
     """Qwen3-Next's linear-attention layers run along the whole row, whatever the positions say."""
-    config = Qwen3NextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_value_heads=2,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        layer_types=["linear_attention", "full_attention"],
-    )
+    config = tiny_hybrid_config(vocab_size=64)
     torch.manual_seed(0)
     target = FrozenTarget(Qwen3NextForCausalLM(config).float())
     with pytest.raises(ValueError) as error:

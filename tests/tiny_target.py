@@ -6,7 +6,14 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3NextConfig,
+)
 
 from modeling_dflash2 import DFlash2Config
 from tests.conftest import tiny_config_kwargs, tiny_dflash_config
@@ -102,6 +109,31 @@ def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> FrozenTa
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
     return FrozenTarget(model.float(), tokenizer)
+
+
+def tiny_hybrid_config(vocab_size: int, layers: int = 2, **overrides: Any) -> Qwen3NextConfig:
+    """A tiny Qwen3-Next config: linear-attention layers (state carried along the whole row) between
+    full-attention ones, the kind of target packing must refuse."""
+    values: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "layer_types": ["linear_attention", "full_attention"] * (layers // 2),
+        **overrides,
+    }
+    return Qwen3NextConfig(**values)
 
 
 def tiny_draft_config_for(
