@@ -270,3 +270,14 @@ def test_a_target_whose_layers_carry_state_across_documents_is_refused_in_one_li
 def test_sample_lengths_of_a_dataset_view_follow_its_rows():
     tokens = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (3, 9, 4, 7)], "loss_mask": [[1]] * 4})
     assert sample_lengths(tokens.select([3, 0])) == [7, 3]
+
+
+def test_only_the_layers_a_capture_runs_are_probed():
+    """A mixing layer deeper than every tapped layer never runs in the capture, so it is no reason to refuse."""
+    torch.manual_seed(0)
+    config = tiny_hybrid_config(vocab_size=64, layer_types=["full_attention", "linear_attention"])
+    shallow = FrozenTarget(Qwen3NextForCausalLM(config).float())
+    shallow.check_packing([0])
+    deep = FrozenTarget(shallow.model)
+    with pytest.raises(ValueError, match="lets packed documents see each other"):
+        deep.check_packing([0, 1])

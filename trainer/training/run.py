@@ -64,7 +64,7 @@ def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
     return lock_run_folder(Path(training_args.output_dir))
 
 
-def check_packing(data_args, training_args) -> None:
+def check_packing_settings(data_args, training_args) -> None:
     """Refuse length grouping on packed rows: they are all about max_length long, so grouping them
     would only take their random order away."""
     strategy = training_args.train_sampling_strategy
@@ -87,9 +87,9 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     )
     draft = build_draft(model_args)
     target.check_draft(draft.dflash, draft.config)
-    check_packing(data_args, training_args)
+    check_packing_settings(data_args, training_args)
     if data_args.packing and not data_args.offline:
-        target.check_packing()  # before any data is built: the target itself sees the packed rows
+        target.check_packing(draft.target_layer_ids)  # before any data is built: the target sees packed rows
     with training_args.main_process_first(desc="building datasets"):
         train_dataset, eval_dataset = build_datasets(
             data_args, target, draft.target_layer_ids, final_hidden=training_args.objective_config().distills

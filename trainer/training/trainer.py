@@ -196,7 +196,7 @@ class DFlash2Trainer(Trainer):
         distills = self.objective.distills
         if target_hidden is None:
             if position_ids is not None:
-                self.target.check_packing()  # once: a target that cross-attends packed documents is refused
+                self.target.check_packing(draft.target_layer_ids)  # once: refuses a target that mixes documents
             attention_mask = inputs.get("attention_mask")
             captured = self.target.capture(
                 input_ids, attention_mask, draft.target_layer_ids, final_hidden=distills, position_ids=position_ids
