@@ -16,6 +16,7 @@ from trainer.data.packing import PackedDataset, pack_rows, padding_fraction, sam
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import (
     AnchorDraw,
+    anchor_keys,
     build_blocks,
     document_ends,
     document_starts,
@@ -281,3 +282,36 @@ def test_only_the_layers_a_capture_runs_are_probed():
     deep = FrozenTarget(shallow.model)
     with pytest.raises(ValueError, match="lets packed documents see each other"):
         deep.check_packing([0, 1])
+
+
+def reference_anchors(loss_mask, num_anchors, draw, positions):
+    """Per row and document, a loop: the num_anchors smallest keys among the document's valid positions."""
+    valid = valid_anchor_mask(loss_mask, positions)
+    keys = anchor_keys(draw, torch.arange(loss_mask.shape[0]), loss_mask.shape[1])
+    starts = document_starts(positions)
+    rows = []
+    for row in range(loss_mask.shape[0]):
+        chosen = []
+        for start in starts[row].unique().tolist():
+            inside = [p for p in range(loss_mask.shape[1]) if starts[row, p] == start and valid[row, p]]
+            chosen += sorted(inside, key=lambda p: int(keys[row, p]))[:num_anchors]
+        rows.append(sorted(chosen))
+    return rows
+
+
+def test_packed_anchor_draws_equal_a_per_document_loop():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        lengths = [torch.randint(2, 20, (3,), generator=generator).tolist() for _ in range(2)]
+        width = max(sum(row) for row in lengths)
+        positions = torch.stack(
+            [torch.cat([packed_positions(row)[0], torch.arange(width - sum(row))]) for row in lengths]
+        )
+        loss_mask = (torch.rand(2, width, generator=generator) < 0.7).long()
+        draw = AnchorDraw(seed=trial, step=1)
+        if not valid_anchor_mask(loss_mask, positions).any():
+            continue
+        anchors, keep = sample_anchors(loss_mask, 3, draw, position_ids=positions)
+        expected = reference_anchors(loss_mask, 3, draw, positions)
+        assert [anchors[row][keep[row]].tolist() for row in range(2)] == expected
+        assert anchors.shape[1] == max(len(row) for row in expected)
