@@ -416,7 +416,7 @@ def test_packing_section_computes_whether_the_padding_target_was_reached():
     text = cpu_doc.render_packing(tiny_packing(0.009))
     assert "| `packing: true` | 8 | 0.9% | 35.0 | 2.00 | 300 (270) | 60 | 1.20× | 0.125 | 12000 (250) |" in text
     assert "| random order, padded | 13 | 50.0% | 80.0 | 2.00 | 100 (90) | 50 | 1.00× | 0.125 | 4000 (250) |" in text
-    assert "its dense draft attention costs 1.5× the grouped order's per supervised token" in text
+    assert "1.5× the grouped order's attention pairs per supervised token" in text
     assert "Packed padding ≤ 5%: reached (0.9%)" in text and "difference 3e-05" in text
     assert "ran 1.20× the padded order's supervised tokens/s and 1.09× the grouped order's (above it;" in text
     assert "The same 12 anchors in three documents of 96, 45, 41 tokens" in text
