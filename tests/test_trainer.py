@@ -6,21 +6,29 @@ import copy
 import dataclasses
 import errno
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers.modeling_utils
 from safetensors.torch import load_file
-from transformers import TrainerCallback
+from transformers import Qwen3NextForCausalLM, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from modeling_dflash2 import DFlash2DraftModel
-from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
+from tests.tiny_target import (
+    tiny_chat_dataset,
+    tiny_draft_config_for,
+    tiny_hybrid_config,
+    tiny_target,
+    tiny_tokenizer,
+)
 from trainer.data.dataset import DFlashCollator
 from trainer.data.feature_store import OfflineDataset, prepare_features
 from trainer.data.packing import PackedDataset
 from trainer.fileio import DiskFullError
+from trainer.models.target import FrozenTarget
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import checkpoint_problems
 from trainer.training.trainer import DFlash2Trainer
@@ -456,3 +464,19 @@ def test_group_by_length_groups_by_the_arrow_lengths_without_reading_a_sample(ta
     monkeypatch.undo()
     trainer.train()
     assert len(_losses(trainer)) == 4
+
+
+def test_offline_features_pack_for_a_target_that_would_mix_documents(dataset, tmp_path):
+    """Stored features are captured per sample, so packing them needs no packed capture: a hybrid
+    (linear-attention) target, refused for online packing, trains packed from its offline store."""
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_hybrid_config(len(tokenizer), layers=4, pad_token_id=tokenizer.pad_token_id)
+    hybrid = FrozenTarget(Qwen3NextForCausalLM(config), tokenizer)
+    with pytest.raises(ValueError, match="lets packed documents see each other"):
+        hybrid.check_packing([1, 2])
+    features = prepare_features(hybrid, dataset, [1, 2], tmp_path / "cache")
+    rows = PackedDataset.pack(OfflineDataset(dataset, features), 48, seed=0)
+    trainer = make_trainer(hybrid, rows, tmp_path / "packed", max_steps=2)
+    trainer.train()
+    assert len(_losses(trainer)) == 2 and all(math.isfinite(loss) for loss in _losses(trainer))
