@@ -275,7 +275,7 @@ def demo_objective() -> tuple[ObjectiveConfig, dict[str, float]]:
 def collated(samples: Sequence[Sample], batches: Batches, packed: bool, pad_id: int) -> list[dict[str, torch.Tensor]]:
     collator = DFlashCollator(pad_id)
     if packed:
-        rows = PackedDataset(list(samples), [row for batch in batches for row in batch], max_length=0)
+        rows = PackedDataset(list(samples), [row for batch in batches for row in batch])
         items, start = [], 0
         for batch in batches:
             items.append(collator([rows[index] for index in range(start, start + len(batch))]))

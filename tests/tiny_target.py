@@ -89,16 +89,22 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# The widths every tiny target shares (the tiny draft is sized to them).
+TINY_WIDTHS: dict[str, int] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
+
+
 def tiny_target(kind: str = "llama", seed: int = 0, layers: int = 4) -> FrozenTarget:
     tokenizer = tiny_tokenizer()
     common: dict[str, Any] = {
+        **TINY_WIDTHS,
         "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "intermediate_size": 64,
         "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
         "max_position_embeddings": 512,
         "tie_word_embeddings": True,
         "pad_token_id": tokenizer.pad_token_id,
@@ -115,13 +121,9 @@ def tiny_hybrid_config(vocab_size: int, layers: int = 2, **overrides: Any) -> Qw
     """A tiny Qwen3-Next config: linear-attention layers (state carried along the whole row) between
     full-attention ones, the kind of target packing must refuse."""
     values: dict[str, Any] = {
+        **TINY_WIDTHS,
         "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
         "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
         "linear_num_value_heads": 2,
         "linear_num_key_heads": 2,
         "linear_key_head_dim": 8,

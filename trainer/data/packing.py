@@ -84,13 +84,13 @@ class PackedDataset(torch.utils.data.Dataset):
     `position_ids` restarting at 0 per sample. `tokens` is the underlying token dataset (what a
     resume fingerprints)."""
 
-    def __init__(self, samples: Any, rows: list[list[int]], max_length: int):
-        self.samples, self.rows, self.max_length = samples, rows, max_length
+    def __init__(self, samples: Any, rows: list[list[int]]):
+        self.samples, self.rows = samples, rows
         self.tokens = getattr(samples, "tokens", samples)
 
     @classmethod
     def pack(cls, samples: Any, max_length: int, seed: int) -> PackedDataset:
-        return cls(samples, pack_rows(sample_lengths(samples), max_length, seed), max_length)
+        return cls(samples, pack_rows(sample_lengths(samples), max_length, seed))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -160,7 +160,8 @@ def sample_anchors(
     # order each row by (document, key): two stable sorts; a position's rank in its document is
     # its place in that order minus where its document begins there
     order = keys.argsort(dim=1, stable=True)
-    order = order.gather(1, starts.gather(1, order).argsort(dim=1, stable=True))
+    if position_ids is not None:  # rows of one document are in order already
+        order = order.gather(1, starts.gather(1, order).argsort(dim=1, stable=True))
     sorted_starts = starts.gather(1, order)
     begins = torch.ones_like(valid)
     begins[:, 1:] = sorted_starts[:, 1:] != sorted_starts[:, :-1]
