@@ -131,6 +131,13 @@ class DataArguments:
     feature_file_timeout: float = field(
         default=120.0, metadata={"help": "Seconds a finished request's hidden-state file may take to appear."}
     )
+    feature_storage_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Required with feature_endpoint: the folder the server writes hidden-state files to (its "
+            "shared_storage_path), as seen here; files a reply names elsewhere are refused, never read or removed."
+        },
+    )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
 
 
