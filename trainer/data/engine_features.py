@@ -377,7 +377,7 @@ async def _capture_through_engine(
             path = hidden_states_path(body, client.name)
             tensors = await read_hidden_states(path, settings.file_timeout, nudger, client.name)
             features = engine_features(tensors, ids, order, target.hidden_size, f"{client.name} file {path}")
-            writer.add(row, features.to(dtype))
+            writer.add(row, features.to(dtype), token_ids=ids)
             remove_hidden_states(path)
             progress.update(1)
 

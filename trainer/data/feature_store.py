@@ -3,13 +3,24 @@ stored as safetensors shards in a cache entry (a "feature store"), and training 
 from disk (`OfflineDataset`).
 
 A store is trusted only as far as it can be checked. Its index (`features.json`) records what it
-was captured for (target fingerprint, layer ids, dtype, hidden width, final hidden states) and,
-for every sample, its token count and the RMS and max |x| of each stored tensor, computed from the
-very values written. The reader checks the index against the run when the store is opened, each
-shard's safetensors header (names, dtypes, shapes [tokens, width], offsets) when the shard is
-first opened, and each sample's values (finite, statistics as recorded) when it is first read:
-a zeroed, rescaled, re-typed, truncated or NaN shard is one error naming the shard, the sample and
-the entry to delete, instead of a draft trained on garbage or a NaN loss steps later.
+was captured for (target fingerprint, layer ids, dtype, hidden width, final hidden states), the
+sha256 of every shard file (hashed as it is written) and, for every sample, its token count and
+the RMS and max |x| of each stored tensor, computed from the very values written; each shard also
+holds every sample's token ids. The reader checks the index against the run when the store is
+opened; when a shard is first opened, its safetensors header (names, dtypes, shapes [tokens, width],
+offsets) and then its sha256 (one streamed read per shard per process); and when a sample is first
+read, its values (finite, statistics as recorded) and its token ids against the dataset's. A
+zeroed, rescaled, negated, reordered, re-typed, truncated or NaN shard, or a store joined to other
+token data, is one error naming the shard (and the sample where one is to blame) and the entry to
+delete, instead of a draft trained on garbage or a NaN loss steps later.
+
+The checks find damage, not forgery: whoever rewrites a shard and its index together (digest and
+statistics) is not caught; only capturing again could tell.
+
+A capture writes into a temporary sibling of its entry (`.<entry>.<random>`) renamed into place at
+the end. A capture killed before that (SIGKILL, out of memory, a node lost) leaves that folder
+behind; the next capture of the same entry removes it under the entry's lock, which also proves
+that no live process is still writing it.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -41,7 +53,7 @@ from trainer.models.target import FrozenTarget
 logger = logging.getLogger(__name__)
 
 FEATURE_INDEX = "features.json"
-STORE_FORMAT = 2  # 1 (no "format" key): no fingerprint, no statistics
+STORE_FORMAT = 3  # 1 (no "format" key): no fingerprint, no statistics; 2: no shard digests, no token ids
 # Tolerance on recomputed statistics: they are computed from the stored values themselves, so only
 # the summation order (threads) and the rounding of a bf16 norm (one ulp is under 2^-7) can differ;
 # zeros or a 1e6 scaling are off by orders of magnitude.
@@ -51,9 +63,14 @@ SAFETENSORS_DTYPES = {
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.float64: "F64",
+    torch.int64: "I64",  # token ids
 }
-# The two tensors of a sample: (name prefix in a shard, column of the recorded statistics).
+# The dtypes a store holds (the `offline_dtype` recipe values).
+STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The two feature tensors of a sample: (name prefix in a shard, column of the recorded statistics).
 SAMPLE_TENSORS = (("sample", 0), ("final", 2))
+TOKENS_PREFIX = "tokens"  # a sample's token ids (int64 [tokens]), checked against the dataset's
+HASH_CHUNK_BYTES = 8 << 20
 
 
 def token_fingerprint(dataset: datasets.Dataset) -> str:
@@ -69,6 +86,27 @@ def token_fingerprint(dataset: datasets.Dataset) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> "bfloat16" (the spelling of the `offline_dtype` recipe key)."""
     return str(dtype).removeprefix("torch.")
+
+
+def check_store_dtype(dtype: Any) -> torch.dtype:
+    """`dtype` when a store can hold it, else one line naming `offline_dtype` and the choices (the
+    recipe refuses other names first; this keeps a bad value from reaching the writer)."""
+    if dtype not in STORE_DTYPES:
+        choices = ", ".join(dtype_name(choice) for choice in STORE_DTYPES)
+        shown = dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)[:40]
+        raise ValueError(f"offline_dtype: {shown} is not a dtype a feature store holds (one of {choices})")
+    return dtype
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, streamed in chunks (a shard can be many GiB)."""
+    hasher = hashlib.sha256()
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with Path(path).open("rb", buffering=0) as file:
+        while count := file.readinto(buffer):
+            hasher.update(view[:count])
+    return hasher.hexdigest()
 
 
 def store_fingerprint(
@@ -112,10 +150,11 @@ def tensor_statistics(tensor: torch.Tensor) -> tuple[float, float]:
     return norm / math.sqrt(tensor.numel()), float(torch.maximum(-low, high)) + 0.0  # (never -0)
 
 
-def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
     """Write `tensors` as one safetensors file through Python file I/O, so that a full disk is an
     OSError with its errno (safetensors' own writer raises a SafetensorError carrying only text);
-    returns the bytes written. Tensor data is written from the tensors' memory, never copied."""
+    returns the bytes written and their sha256, hashed on the way out (no second read). Tensor data
+    is written from the tensors' memory, never copied."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in tensors.items():
@@ -128,17 +167,37 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    hasher = hashlib.sha256()
     with path.open("wb") as file:
-        file.write(len(encoded).to_bytes(8, "little"))
-        file.write(encoded)
+        for chunk in (len(encoded).to_bytes(8, "little"), encoded):
+            file.write(chunk)
+            hasher.update(chunk)
         for tensor in tensors.values():
-            _write_tensor(file, tensor)
-    return 8 + len(encoded) + offset
+            _write_tensor(file, hasher, tensor)
+    return 8 + len(encoded) + offset, hasher.hexdigest()
 
 
-def _write_tensor(file: BinaryIO, tensor: torch.Tensor) -> None:
+def _write_tensor(file: BinaryIO, hasher: Any, tensor: torch.Tensor) -> None:
     if tensor.numel():
-        file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        file.write(data)
+        hasher.update(data)
+
+
+def remove_interrupted_captures(entry: Path) -> None:
+    """Remove what captures of `entry` killed mid-write left: the temporary siblings
+    (`.<entry>.<random>/`) of `write_directory_atomically`. Call it holding the entry's lock: every
+    writer of the entry holds it while writing, so none of these folders is still being filled."""
+    entry = Path(entry)
+    if not entry.parent.is_dir():
+        return
+    for leftover in entry.parent.glob(f".{entry.name}.*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            size = sum(path.stat().st_size for path in leftover.rglob("*") if path.is_file())
+            logger.warning(
+                "Removing %s (%s): the partial feature store of an interrupted capture", leftover, format_bytes(size)
+            )
+            shutil.rmtree(leftover)
 
 
 def prepare_features(
@@ -157,8 +216,10 @@ def prepare_features(
 
     An existing store is reused. One process writes an entry (`lock_cache_entry`; another rank of
     the same job waits for it, then reuses the store); a full disk is one error saying how much was
-    captured, and nothing partial is kept.
+    captured, and nothing partial is kept. The partial store of an earlier capture of the entry
+    that was killed is removed first (`remove_interrupted_captures`), and the capture starts over.
     """
+    check_store_dtype(dtype)
     path = feature_store_path(target, dataset, layer_ids, cache_root, dtype, final_hidden)
     if (path / FEATURE_INDEX).exists():
         logger.info("Reusing offline target features from %s", path)
@@ -167,6 +228,7 @@ def prepare_features(
         if (path / FEATURE_INDEX).exists():  # finished by the holder we waited for
             logger.info("Reusing offline target features from %s (captured by another process)", path)
             return path
+        remove_interrupted_captures(path)
         with reporting_disk_full("feature store", path, "nothing partial is kept"):
 
             def write(directory: Path) -> None:
@@ -180,8 +242,9 @@ class ShardWriter:
     """Collects captured samples into the shards of a store being written (in process or through
     an engine), each with its statistics, and writes a shard every `shard_samples` samples.
 
-    `shards` are the shards already written (a resumed engine capture); `on_shard` is called with
-    each new shard's index entry once its file is complete (the engine capture journals it)."""
+    `shards` are the shards already written (a resumed engine capture; one journaled before shards
+    recorded their sha256 is hashed now); `on_shard` is called with each new shard's index entry
+    once its file is complete (the engine capture journals it)."""
 
     def __init__(
         self,
@@ -195,21 +258,37 @@ class ShardWriter:
     ):
         self.directory, self.entry, self.total = directory, entry, total
         self.shard_samples, self.on_shard, self.kept = shard_samples, on_shard, kept
-        self.shards: list[dict[str, Any]] = list(shards or [])
+        self.shards = [
+            shard if "sha256" in shard else {**shard, "sha256": file_sha256(directory / shard["file"])}
+            for shard in shards or []
+        ]
         self.captured = sum(len(shard["samples"]) for shard in self.shards)
         self.written = sum((directory / shard["file"]).stat().st_size for shard in self.shards)
         self._next = 1 + max((int(shard["file"][6:11]) for shard in self.shards), default=-1)
         self._shard: dict[str, torch.Tensor] = {}
         self._entries: dict[str, list] = {"samples": [], "tokens": [], "statistics": []}
 
-    def add(self, sample: int, hidden: torch.Tensor, final: torch.Tensor | None = None) -> None:
+    def add(
+        self,
+        sample: int,
+        hidden: torch.Tensor,
+        final: torch.Tensor | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
         """One sample's stored tensors ([tokens, width], in the store's dtype, on any device): the
-        statistics are those of the values written."""
+        statistics are those of the values written. `token_ids` (the ids the features were computed
+        from) are stored too, for the reader to check against its dataset."""
+        check_store_dtype(hidden.dtype)
         statistics = list(tensor_statistics(hidden))
         self._shard[f"sample_{sample}"] = hidden.to("cpu").contiguous()
         if final is not None:
             statistics += tensor_statistics(final)
             self._shard[f"final_{sample}"] = final.to("cpu").contiguous()
+        if token_ids is not None:
+            ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+            if len(ids) != hidden.shape[0]:
+                raise ValueError(f"sample {sample}: {hidden.shape[0]} feature rows for {len(ids)} token ids")
+            self._shard[f"{TOKENS_PREFIX}_{sample}"] = ids
         self._entries["samples"].append(sample)
         self._entries["tokens"].append(int(hidden.shape[0]))
         self._entries["statistics"].append(statistics)
@@ -229,9 +308,10 @@ class ShardWriter:
         )
         partial = self.directory / f".{name}.partial"
         with reporting_disk_full("feature store", self.entry, kept):
-            self.written += write_shard(partial, self._shard)
+            written, sha256 = write_shard(partial, self._shard)
             os.replace(partial, self.directory / name)
-        entry = {"file": name, **self._entries}
+        self.written += written
+        entry = {"file": name, "sha256": sha256, **self._entries}
         self.shards.append(entry)
         self.captured += len(self._entries["samples"])
         self._next += 1
@@ -278,7 +358,7 @@ def _capture(
         hidden, final = captured_batch if final_hidden else (captured_batch, None)
         for row, length in enumerate(lengths):
             stored_final = None if final is None else final[row, :length].to(dtype)
-            writer.add(start + row, hidden[row, :length].to(dtype), stored_final)
+            writer.add(start + row, hidden[row, :length].to(dtype), stored_final, batch[row])
     writer.flush()
     index = writer.index(store_fingerprint(target, layer_ids, dtype, final_hidden))
     (directory / FEATURE_INDEX).write_text(json.dumps(index))
@@ -300,8 +380,9 @@ class OfflineDataset(torch.utils.data.Dataset):
     """Token samples joined with their stored target features (memory-mapped on access).
 
     `expected` (`store_fingerprint` of the run) is checked against the store's index on opening;
-    each shard's header is checked when it is first opened and each sample's values when it is
-    first read in this process (they are read anyway: the check costs two reductions over them).
+    each shard's header and sha256 when it is first opened in this process (one streamed read of
+    the file), and each sample's values and token ids when it is first read (they are read anyway:
+    the check costs two reductions over them).
     """
 
     def __init__(self, tokens: datasets.Dataset, features: Path, expected: dict[str, Any] | None = None):
@@ -313,6 +394,12 @@ class OfflineDataset(torch.utils.data.Dataset):
             count, shards = index["num_samples"], index["shards"]
             self.shard_of = {sample: shard["file"] for shard in shards for sample in shard["samples"]}
             self.samples_of = {shard["file"]: shard["samples"] for shard in shards}
+            self.digests: dict[str, str | None] = {shard["file"]: shard.get("sha256") for shard in shards}
+            for file, recorded_digest in self.digests.items():
+                if recorded_digest is not None and not (
+                    isinstance(recorded_digest, str) and len(recorded_digest) == 64
+                ):
+                    raise ValueError(f"shard {file} has sha256 {str(recorded_digest)[:70]!r}, not 64 hex digits")
             self.final_hidden = bool(index.get("final_hidden", False))
             self.recorded: dict[str, Any] | None = index.get("store")
             self.token_counts = torch.full((count,), -1, dtype=torch.int64)
@@ -339,6 +426,7 @@ class OfflineDataset(torch.utils.data.Dataset):
         }
         self._handles: dict[str, Any] = {}
         self._checked = torch.zeros(count, dtype=torch.bool)
+        self._has_tokens = torch.zeros(count, dtype=torch.bool)  # filled from each shard's header on opening
 
     def _error(self, problem: str) -> FeatureStoreError:
         return FeatureStoreError(f"feature store {self.features}: {problem}: delete {self.features} to capture again")
@@ -355,6 +443,13 @@ class OfflineDataset(torch.utils.data.Dataset):
             recorded = {"layer_ids": index.get("layer_ids"), "final_hidden": self.final_hidden}
         else:
             recorded = self.recorded
+            if None in self.digests.values():
+                logger.warning(
+                    "feature store %s was written before stores recorded a sha256 per shard: its shards are "
+                    "checked by header and statistics only, which a negated or reordered shard passes (delete "
+                    "it to capture again with full checks)",
+                    self.features,
+                )
         if expected is None:
             return
         differences = [
@@ -398,7 +493,57 @@ class OfflineDataset(torch.utils.data.Dataset):
                 ):
                     expected = f"[{tokens if tokens >= 0 else 'tokens'}, {columns or 'width'}]"
                     raise self._error(f"{path} sample {sample}: {name} has shape {shape}, expected {expected}")
+            name = f"{TOKENS_PREFIX}_{sample}"
+            entry = header.get(name)
+            if entry is not None and (entry.get("dtype") != "I64" or len(entry["shape"]) != 1):
+                raise self._error(
+                    f"{path} sample {sample}: {name} is {entry.get('dtype')} {entry['shape']}, not I64 [tokens]"
+                )
+            self._has_tokens[sample] = entry is not None
+        recorded = self.digests.get(shard)
+        if recorded is not None:
+            try:
+                actual = file_sha256(path)
+            except OSError as error:
+                raise self._error(f"{path} cannot be read ({error})") from None
+            if actual != recorded:
+                self._diagnose(shard, safe_open(path, "pt"))
+                raise self._error(
+                    f"{path} has sha256 {actual[:16]}..., but {recorded[:16]}... when it was written "
+                    "(its content changed after capture)"
+                )
         return safe_open(path, "pt")
+
+    def _read(self, handle: Any, sample: int) -> dict[str, torch.Tensor]:
+        """A sample's stored tensors: "sample", "final" (distillation), "tokens" (where stored)."""
+        tensors = {"sample": handle.get_tensor(f"sample_{sample}")}
+        if self.final_hidden:
+            tensors["final"] = handle.get_tensor(f"final_{sample}")
+        if self._has_tokens[sample]:
+            tensors["tokens"] = handle.get_tensor(f"{TOKENS_PREFIX}_{sample}")
+        return tensors
+
+    def _check_sample(self, shard: str, sample: int, tensors: dict[str, torch.Tensor], input_ids: list[int]) -> None:
+        """A sample's token ids against the dataset's, then its values (`_check_values`)."""
+        where = f"{self.features / shard} sample {sample}"
+        stored = tensors.get("tokens")
+        if stored is not None:
+            wanted = torch.as_tensor(input_ids, dtype=torch.int64)
+            if stored.shape != wanted.shape or not torch.equal(stored, wanted):
+                common = min(len(stored), len(wanted))
+                differ = (stored[:common] != wanted[:common]).nonzero()
+                position = int(differ[0]) if len(differ) else common
+                raise self._error(
+                    f"{where}: the token ids stored with its features differ from the dataset's at position "
+                    f"{position} ({len(stored)} stored, {len(wanted)} in the dataset): it was captured for other data"
+                )
+        self._check_values(shard, sample, tensors)
+
+    def _diagnose(self, shard: str, handle: Any) -> None:
+        """On a sha256 mismatch, raise the error of the first sample to blame (values or token ids),
+        if any: it says more than the digest alone."""
+        for sample in self.samples_of[shard]:
+            self._check_sample(shard, sample, self._read(handle, sample), self.tokens[sample]["input_ids"])
 
     def _check_values(self, shard: str, sample: int, tensors: dict[str, torch.Tensor]) -> None:
         """Finite, not all zeros, and (format 2) the statistics recorded at capture."""
@@ -428,9 +573,7 @@ class OfflineDataset(torch.utils.data.Dataset):
         if shard not in self._handles:
             self._handles[shard] = self._open(shard)
         handle = self._handles[shard]
-        tensors = {"sample": handle.get_tensor(f"sample_{index}")}
-        if self.final_hidden:
-            tensors["final"] = handle.get_tensor(f"final_{index}")
+        tensors = self._read(handle, index)
         hidden = tensors["sample"]
         if hidden.shape[0] != len(sample["input_ids"]):
             raise self._error(
@@ -438,7 +581,7 @@ class OfflineDataset(torch.utils.data.Dataset):
                 f"{len(sample['input_ids'])} tokens"
             )
         if not self._checked[index]:
-            self._check_values(shard, index, tensors)
+            self._check_sample(shard, index, tensors, sample["input_ids"])
             self._checked[index] = True
         sample["target_hidden"] = hidden
         if self.final_hidden:
