@@ -17,10 +17,11 @@ import sys
 
 import torch
 
-from modeling_dflash2 import DFlash2Config
 from trainer.data.dataset import build_datasets, token_datasets
+from trainer.models.draft import load_draft_config
 from trainer.models.target import FrozenTarget, TargetTokenizer
-from trainer.recipe_files import DEFAULT_RECIPE, resolve_path
+from trainer.plan.fit_check import check_target_fits
+from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import parse_arguments
 from trainer.training.run import print_recipe_help
 
@@ -28,12 +29,17 @@ REGENERATE_ONLY = "--regenerate-only"
 REGENERATE_ONLY_HELP = f"  {REGENERATE_ONLY}  stop after the answers (the recipe must set regenerate: true)"
 
 
-def load_target(model_args, data_args, regenerate_only: bool) -> FrozenTarget | TargetTokenizer:
-    """The target's weights only where a step runs it here: regenerating without an endpoint, or
-    capturing features without a feature_endpoint; otherwise its tokenizer and config alone."""
+def runs_target_here(data_args, regenerate_only: bool) -> bool:
+    """Whether a step runs the target in this process: regenerating without an endpoint, or
+    capturing features without a feature_endpoint."""
     answers_here = data_args.regenerate and not data_args.regenerate_endpoint
     captures_here = not regenerate_only and data_args.offline and not data_args.feature_endpoint
-    if not (answers_here or captures_here):
+    return bool(answers_here or captures_here)
+
+
+def load_target(model_args, data_args, regenerate_only: bool) -> FrozenTarget | TargetTokenizer:
+    """The target's weights only where a step runs it here; otherwise its tokenizer and config alone."""
+    if not runs_target_here(data_args, regenerate_only):
         return TargetTokenizer.load(model_args.target, model_args.target_gguf_file)
     return FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
@@ -51,12 +57,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if regenerate_only and not data_args.regenerate:
         raise ValueError(f"{REGENERATE_ONLY}: the recipe does not regenerate (regenerate: false)")
+    # the draft's config (draft_config, or init_from's config.json) names the layers to capture: read
+    # before the target runs, so a bad one stops here rather than after the answers
+    config = None if regenerate_only else load_draft_config(model_args, building=False)
+    if runs_target_here(data_args, regenerate_only):  # weights the planner says cannot fit are refused first
+        check_target_fits(model_args, data_args, training_args)
     target = load_target(model_args, data_args, regenerate_only)
     if regenerate_only:
         train, evaluation = token_datasets(data_args, target)
         print(f"regenerated {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
         return
-    config = DFlash2Config.from_json_file(resolve_path(model_args.draft_config))
     distills = training_args.objective_config().distills  # distillation also stores final hidden states
     train, evaluation = build_datasets(data_args, target, config.target_layer_ids, final_hidden=distills)
     print(f"prepared {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")

@@ -9,6 +9,7 @@ an accelerate config (what `accelerate launch --config_file` would apply: `mixed
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,27 @@ def read_accelerate_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"--accelerate-config {path} must be a YAML mapping")
     return config
+
+
+# what `accelerate launch` puts in each process's environment for its FSDP settings, by the
+# accelerate config key it comes from
+_LAUNCH_FSDP_VARIABLES = {
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+}
+
+
+def launched_accelerate_config(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The accelerate config this process was launched with, from the environment `accelerate
+    launch` sets, in the shape `read_accelerate_config` returns: a training run plans its own
+    sharding (TrainingArguments reads ACCELERATE_MIXED_PRECISION itself, but not FSDP). Empty when
+    not launched with FSDP."""
+    if environ.get("ACCELERATE_USE_FSDP", "").strip().lower() not in ("1", "true", "yes"):
+        return {}
+    fsdp = {key: environ[name] for key, name in _LAUNCH_FSDP_VARIABLES.items() if environ.get(name)}
+    return {"distributed_type": "FSDP", "fsdp_config": fsdp}
 
 
 def accelerate_world_size(config: dict[str, Any]) -> int:

@@ -83,10 +83,23 @@ class MemoryPlan:
         ]
         lines += [f"  {name:<18}{self.parts[name] / GIB:>9.2f} GiB" for name in PARTS]
         lines.append(f"  {'total':<18}{self.per_rank_bytes / GIB:>9.2f} GiB")
-        verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"{verdict} on {self.num_gpus} x {self.gpu_memory_bytes / GIB:.1f} GiB")
-        lines.append(f"largest per_device_train_batch_size that fits: {self.max_micro_batch}")
+        lines += self._verdict_lines()
         return "\n".join(lines)
+
+    def _verdict_lines(self) -> list[str]:
+        verdict = "fits" if self.fits else "does NOT fit"
+        return [
+            f"{verdict} on {self.num_gpus} x {self.gpu_memory_bytes / GIB:.1f} GiB",
+            f"largest per_device_train_batch_size that fits: {self.max_micro_batch}",
+        ]
+
+    def verdict(self) -> str:
+        """The plan in one line: the total, its largest part and the table's two verdict lines (what a
+        run refused before it starts prints, `trainer.plan.fit_check`)."""
+        largest = max(PARTS, key=lambda name: self.parts[name])
+        total = f"{self.per_rank_bytes / GIB:.2f} GiB per rank at micro-batch {self.micro_batch}"
+        part = f"{largest} {self.parts[largest] / GIB:.2f} GiB"
+        return f"{total} (largest part: {part}) " + "; ".join(self._verdict_lines())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +452,7 @@ def plan_run(
     (`device="cpu"` plans the CPU code paths, for the validation against measured CPU steps)."""
     if gpu_memory_bytes <= 0:
         raise ValueError(f"--gpu-memory-gb must be > 0 (got {gpu_memory_bytes / GIB:g})")
-    draft = draft_facts(load_draft_config(model_args))
+    draft = draft_facts(load_draft_config(model_args, building=False))  # configs only: nothing is built
     target = target_facts(load_target_config(model_args, cache_root))
     check_pair(draft, target)
     run = run_facts(model_args, data_args, training_args, num_gpus, accelerate, device)
