@@ -88,14 +88,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_store_dtype(dtype: Any) -> torch.dtype:
-    """`dtype` when a store can hold it, else one line naming `offline_dtype` and the choices (the
-    recipe refuses other names first; this keeps a bad value from reaching the writer)."""
-    if dtype not in STORE_DTYPES:
-        choices = ", ".join(dtype_name(choice) for choice in STORE_DTYPES)
-        shown = dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)[:40]
-        raise ValueError(f"offline_dtype: {shown} is not a dtype a feature store holds (one of {choices})")
-    return dtype
+def store_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype of `offline_dtype` (a torch dtype or its name) when a store can hold it, else one
+    line naming the field and the choices (the recipe refuses other names first; this keeps a bad
+    value from reaching the writer)."""
+    for choice in STORE_DTYPES:
+        if dtype == choice or dtype == dtype_name(choice):
+            return choice
+    choices = ", ".join(dtype_name(choice) for choice in STORE_DTYPES)
+    shown = dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)[:40]
+    raise ValueError(f"offline_dtype: {shown} is not a dtype a feature store holds (one of {choices})")
 
 
 def file_sha256(path: Path) -> str:
@@ -219,7 +221,7 @@ def prepare_features(
     captured, and nothing partial is kept. The partial store of an earlier capture of the entry
     that was killed is removed first (`remove_interrupted_captures`), and the capture starts over.
     """
-    check_store_dtype(dtype)
+    dtype = store_dtype(dtype)
     path = feature_store_path(target, dataset, layer_ids, cache_root, dtype, final_hidden)
     if (path / FEATURE_INDEX).exists():
         logger.info("Reusing offline target features from %s", path)
@@ -278,7 +280,7 @@ class ShardWriter:
         """One sample's stored tensors ([tokens, width], in the store's dtype, on any device): the
         statistics are those of the values written. `token_ids` (the ids the features were computed
         from) are stored too, for the reader to check against its dataset."""
-        check_store_dtype(hidden.dtype)
+        store_dtype(hidden.dtype)
         statistics = list(tensor_statistics(hidden))
         self._shard[f"sample_{sample}"] = hidden.to("cpu").contiguous()
         if final is not None:
