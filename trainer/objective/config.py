@@ -10,6 +10,8 @@ import math
 from dataclasses import Field, dataclass, field
 from typing import Any
 
+from trainer.training.recipe_types import Rule, above, at_least, between, check_fields, one_of
+
 LOSS_TYPES = ("ce", "dpace", "kd")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")
 SELECTOR_GOLD_MODES = ("skip", "insert")
@@ -40,7 +42,7 @@ class ObjectiveConfig:
 
     Each field is declared here once, with its help text: `DFlashTrainingArguments` inherits them
     under their recipe keys (`recipe_key`; only `chunk_blocks` is spelled `loss_chunk_blocks` there)
-    and `objective_config()` builds this from them, so the validation below is the only one.
+    and `objective_config()` builds this from them, so the validation below (`OBJECTIVE_RULES`) is the only one.
     """
 
     num_anchors: int = _knob(512, "Anchor (block) slots per sequence.")
@@ -72,32 +74,9 @@ class ObjectiveConfig:
     selector_stop_gradient: bool = _knob(False, "The selector term does not reach the backbone.")
 
     def __post_init__(self) -> None:
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1 (got {self.num_anchors}).")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES} (got {self.loss_type!r}).")
-        if self.dpace_weighting not in DPACE_WEIGHTINGS:
-            raise ValueError(f"dpace_weighting must be one of {DPACE_WEIGHTINGS} (got {self.dpace_weighting!r}).")
-        if not 0.0 <= self.dpace_alpha <= 1.0:
-            raise ValueError(f"dpace_alpha must be in [0, 1] (got {self.dpace_alpha}).")
-        if self.kd_weight is not None and not (math.isfinite(self.kd_weight) and 0.0 <= self.kd_weight <= 1.0):
-            raise ValueError(f"kd_weight must be in [0, 1] (got {self.kd_weight}).")
+        check_fields(self, OBJECTIVE_RULES, name_of=recipe_key)  # named by recipe key (loss_chunk_blocks)
         if self.loss_type == "kd" and self.kd_weight == 0:
             raise ValueError("loss_type kd with kd_weight 0 distills nothing: use loss_type ce, or kd_weight > 0.")
-        if not (math.isfinite(self.kd_temperature) and self.kd_temperature > 0):
-            raise ValueError(f"kd_temperature must be a finite number > 0 (got {self.kd_temperature}).")
-        if self.gamma is not None and not math.isfinite(self.gamma):
-            raise ValueError(f"gamma must be finite (got {self.gamma}).")
-        if self.chunk_blocks < 1:
-            raise ValueError(f"loss_chunk_blocks must be >= 1 (got {self.chunk_blocks}).")  # its recipe key
-        if not math.isfinite(self.selector_alpha) or self.selector_alpha < 0:
-            raise ValueError(f"selector_alpha must be finite and >= 0 (got {self.selector_alpha}).")
-        for name in ("selector_warmup_ratio", "selector_ramp_ratio"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1] (got {value}).")
-        if self.selector_gold not in SELECTOR_GOLD_MODES:
-            raise ValueError(f"selector_gold must be one of {SELECTOR_GOLD_MODES} (got {self.selector_gold!r}).")
 
     def resolved_gamma(self, block_size: int) -> float | None:
         gamma = default_gamma(block_size) if self.gamma is None else self.gamma
@@ -118,6 +97,23 @@ class ObjectiveConfig:
     def selector_enabled(self) -> bool:
         """Configured alpha == 0 freezes the selector and skips its term."""
         return self.selector_alpha > 0
+
+
+# Each knob's range (by field name), checked by `check_fields` here and where a recipe value is read.
+OBJECTIVE_RULES: dict[str, Rule] = {
+    "num_anchors": at_least(1),
+    "loss_type": one_of(*LOSS_TYPES),
+    "gamma": at_least(0, "(0: no decay)"),
+    "dpace_alpha": between(0, 1),
+    "dpace_weighting": one_of(*DPACE_WEIGHTINGS),
+    "kd_weight": between(0, 1),
+    "kd_temperature": above(0),
+    "chunk_blocks": at_least(1),
+    "selector_alpha": at_least(0, "(0: the selector is frozen)"),
+    "selector_warmup_ratio": between(0, 1),
+    "selector_ramp_ratio": between(0, 1),
+    "selector_gold": one_of(*SELECTOR_GOLD_MODES),
+}
 
 
 def selector_alpha_at(step: int | None, total_steps: int | None, config: ObjectiveConfig) -> float:

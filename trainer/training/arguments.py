@@ -2,8 +2,10 @@
 
 A recipe is a flat YAML mapping whose keys are fields of `ModelArguments`, `DataArguments` and
 `DFlashTrainingArguments` (a `transformers.TrainingArguments`); `--key value` flags after the
-recipe path override it. Every value is converted to its field's type or refused naming the field
-(`trainer.training.recipe_types`): YAML alone reads `1e-3` as a string and `"false"` stays a (truthy) string.
+recipe path override it. Every value is converted to its field's type and checked against its declared
+range (`RULES`) or refused naming the key as written (`trainer.training.recipe_types`): YAML alone reads `1e-3` as a
+string and `"false"` stays a (truthy) string. A URL with credentials (`http://user:password@host`) is refused before
+anything is recorded or logged: the endpoint's key goes in the environment (`DFLASH2_ENDPOINT_API_KEY`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,27 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from trainer.objective.config import ObjectiveConfig, recipe_key
+from trainer.data.endpoint import API_KEY_VARIABLE
+from trainer.objective.config import OBJECTIVE_RULES, ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
+from trainer.recipe_files import read_recipe
 from trainer.training.precision import post_init_without_device_checks
-from trainer.training.recipe_types import convert, field_choices, field_types
+from trainer.training.recipe_types import (
+    Rule,
+    above,
+    at_least,
+    between,
+    check_fields,
+    check_rule,
+    convert,
+    field_choices,
+    field_types,
+    has_credentials,
+    one_of,
+    quote,
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -60,6 +79,7 @@ class ModelArguments:
 
     def __post_init__(self):
         """Hub ids are refused where they are accepted: they land in the model card, its commands and URLs."""
+        check_fields(self, RULES)
         if self.target_hub_id is not None:
             check_hub_id(self.target_hub_id, "target_hub_id")
         check_hub_id_if_remote(self.target, "target")
@@ -140,6 +160,9 @@ class DataArguments:
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
 
+    def __post_init__(self):
+        check_fields(self, RULES)
+
 
 def _objective_arguments() -> type:
     """ObjectiveConfig's fields under their recipe keys, with the same defaults and help: the training
@@ -182,6 +205,14 @@ class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
             "optimization (e.g. [learning_rate]); any other such change is refused (trainer.training.resume_check)."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace an earlier run's results in output_dir (its checkpoints, final draft, recipe, state, "
+            "logs, reports) when training starts; without it such a folder is refused unless resumed "
+            "(trainer.training.output_dir)."
+        },
+    )
     rank_stall_timeout: float = field(
         default=300.0,
         metadata={
@@ -194,9 +225,8 @@ class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Must stay False: batches carry masks."})
 
     def __post_init__(self):
+        check_fields(self, RULES)  # before transformers derives values from them (eval_steps, warmup)
         post_init_without_device_checks(self, super().__post_init__)  # precision is applied at launch
-        if not self.rank_stall_timeout >= 0:
-            raise ValueError(f"rank_stall_timeout must be >= 0 seconds (0: off), not {self.rank_stall_timeout}")
         if self.remove_unused_columns:
             raise ValueError("remove_unused_columns must be False: the collator's loss_mask is not a forward argument.")
         if self.hub_model_id is not None:
@@ -209,6 +239,72 @@ class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, DFlashTrainingArguments)
+# Every numeric, dtype and mode field's range, by field name: checked where a recipe or flag value is read (naming
+# the key the user wrote) and in each class's __post_init__. Every int/float field this project declares has one
+# (tests/test_reliability_recipe.py); the TrainingArguments fields recipes use are listed too.
+RULES: dict[str, Rule] = {
+    # ModelArguments
+    "target_dtype": one_of(*DTYPES),
+    "attn_implementation": one_of("sdpa", "eager", "flex_attention"),
+    "lora_r": at_least(0, "(0: full fine-tuning)"),
+    "lora_alpha": above(0),
+    "lora_dropout": between(0, 1, high_open=True),
+    # DataArguments
+    "num_train_samples": at_least(1),
+    "num_eval_samples": at_least(0),
+    "max_length": at_least(1),
+    "max_new_tokens": at_least(1),
+    "max_prompt_length": at_least(1),
+    "generation_temperature": at_least(0, "(0: greedy)"),
+    "generation_top_p": between(0, 1, low_open=True),
+    "generation_batch_size": at_least(1),
+    "regenerate_concurrency": at_least(1),
+    "regenerate_timeout": above(0, "seconds"),
+    "regenerate_max_retries": at_least(0),
+    "dataset_num_proc": at_least(1),
+    "offline_dtype": one_of(*DTYPES),
+    "feature_concurrency": at_least(1),
+    "feature_timeout": above(0, "seconds"),
+    "feature_max_retries": at_least(0),
+    "feature_file_timeout": above(0, "seconds"),
+    # the objective's knobs, under their recipe keys
+    **{
+        recipe_key(knob): OBJECTIVE_RULES[knob.name] for knob in fields(ObjectiveConfig) if knob.name in OBJECTIVE_RULES
+    },
+    # DFlashTrainingArguments
+    "eval_num_anchors": at_least(1),
+    "spec_eval_prompts": at_least(0, "(0: off)"),
+    "spec_eval_max_new_tokens": at_least(1),
+    "skip_nonfinite_steps": at_least(0),
+    "rank_stall_timeout": at_least(0, "seconds (0: off)"),
+    # TrainingArguments
+    "per_device_train_batch_size": at_least(1),
+    "per_device_eval_batch_size": at_least(1),
+    "gradient_accumulation_steps": at_least(1),
+    "eval_accumulation_steps": at_least(1),
+    "num_train_epochs": above(0),
+    "max_steps": at_least(-1, "(-1: num_train_epochs decides)"),
+    "learning_rate": at_least(0),
+    "warmup_steps": at_least(0, "(below 1: a share of the steps)"),
+    "weight_decay": at_least(0),
+    "adam_beta1": between(0, 1, high_open=True),
+    "adam_beta2": between(0, 1, high_open=True),
+    "adam_epsilon": at_least(0),
+    "max_grad_norm": at_least(0, "(0: no clipping)"),
+    "label_smoothing_factor": between(0, 1, high_open=True),
+    "logging_steps": above(0, "(below 1: a share of the steps)"),
+    "eval_steps": above(0, "(below 1: a share of the steps)"),
+    "save_steps": above(0, "(below 1: a share of the steps)"),
+    "eval_delay": at_least(0),
+    "save_total_limit": at_least(0, "(0: keep every checkpoint)"),
+    "seed": between(0, 2**32 - 1),
+    "data_seed": between(0, 2**32 - 1),
+    "dataloader_num_workers": at_least(0),
+    "dataloader_prefetch_factor": at_least(1),
+    "torch_empty_cache_steps": at_least(1),
+    "ddp_timeout": at_least(1, "seconds"),
+    "ddp_bucket_cap_mb": at_least(1),
+}
 NULL_WORDS = frozenset({"null", "Null", "NULL", "~"})
 # Fields TrainingArguments declares `str | None` but also takes true for: resume_from_checkpoint (Trainer.train and
 # DFlash2Trainer: the newest checkpoint in output_dir) and fsdp (its help asks for `--fsdp` / `fsdp=True`).
@@ -222,14 +318,16 @@ KEY_ALIASES = {
 }
 
 
-def _canonical(values: dict[str, Any], source: str) -> dict[str, Any]:
-    """`values` with KEY_ALIASES read as the fields they name; both spellings at once are refused."""
-    resolved = {key: value for key, value in values.items() if key not in KEY_ALIASES}
-    for alias, name in KEY_ALIASES.items():
-        if alias in values:
-            if name in values:
-                raise ValueError(f"{source} sets both {alias} and {name}, which are the same setting: keep one")
-            resolved[name] = values[alias]
+def _canonical(values: dict[str, Any], source: str) -> dict[str, tuple[str, Any]]:
+    """Each field's (key as written, value), with KEY_ALIASES read as the fields they name; both spellings at once
+    are refused. The written key is kept so that errors name what the user wrote."""
+    resolved: dict[str, tuple[str, Any]] = {}
+    for key, value in values.items():
+        name = KEY_ALIASES.get(key, key)
+        if name in resolved:
+            first, second = (key, resolved[name][0]) if key in KEY_ALIASES else (resolved[name][0], key)
+            raise ValueError(f"{source} sets both {first} and {second}, which are the same setting: keep one")
+        resolved[name] = (key, value)
     return resolved
 
 
@@ -239,7 +337,7 @@ def _overrides(flags: list[str]) -> dict[str, Any]:
     index = 0
     while index < len(flags):
         if not flags[index].startswith("--"):
-            raise ValueError(f"expected --key, got {flags[index]!r}")
+            raise ValueError(f"expected --key, got {quote(flags[index])}")
         key, equals, text = flags[index][2:].partition("=")
         index += 1
         texts = [text] if equals else []
@@ -281,38 +379,45 @@ def _negations(flags: dict[str, Any], hints: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def _typed(values: dict[str, Any], hints: dict[str, Any], source: str, prefix: str) -> dict[str, Any]:
-    """Every value converted to its field's type; unknown keys refused (with the nearest field name)."""
-    unknown = [key for key in values if key not in hints]
+def _typed(values: dict[str, tuple[str, Any]], hints: dict[str, Any], source: str, prefix: str) -> dict[str, Any]:
+    """Every value converted to its field's type and checked against its rule (`RULES`), named by the key as written;
+    unknown keys refused (with the nearest field name), and so is a URL with credentials, before any of it is
+    echoed."""
+    for name, (key, value) in values.items():
+        _refuse_credentials(value, f"{source} {prefix}{_written(key)}", name)
+    unknown = [key for name, (key, _) in values.items() if name not in hints]
     if unknown:
         raise ValueError(
-            "; ".join(f"unknown {source} {prefix}{key}{_did_you_mean(key, hints, prefix)}" for key in unknown)
+            "; ".join(f"unknown {source} {prefix}{_written(key)}{_did_you_mean(key, hints, prefix)}" for key in unknown)
         )
     choices = field_choices(ARGUMENT_CLASSES)
-    return {
-        key: convert(value, hints[key], f"{source} {prefix}{key}", choices.get(key, ()))
-        for key, value in values.items()
-    }
+    typed = {}
+    for name, (key, value) in values.items():
+        typed[name] = convert(value, hints[name], f"{source} {prefix}{key}", choices.get(name, ()))
+        check_rule(typed[name], key, RULES.get(name))
+    return typed
+
+
+def _written(key: Any) -> str:
+    """A key as an error names it: a short prefix, without a URL's credentials."""
+    return quote(str(key))[1:-1]
+
+
+def _refuse_credentials(value: Any, label: str, name: str) -> None:
+    """A URL with a user name or password would be written to every checkpoint's recipe, the export's provenance
+    (which publish uploads) and the logs: refused, without echoing it, pointing to the environment instead."""
+    if not has_credentials(value):
+        return
+    where = f"set {API_KEY_VARIABLE} (sent as a Bearer token)" if "endpoint" in name else "use the environment"
+    raise ValueError(
+        f"{label}: a URL with a user name or password (scheme://user:password@host) is refused, as it would be "
+        f"recorded in checkpoints, exports and logs: remove the credentials and {where} instead"
+    )
 
 
 def _did_you_mean(key: Any, hints: dict[str, Any], prefix: str) -> str:
     close = difflib.get_close_matches(str(key), list(hints), n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
-
-
-def _read_recipe(path: str) -> dict[str, Any]:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
-    try:
-        recipe = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"recipe {path} is not valid YAML: {problem}{where}") from None
-    if not isinstance(recipe, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of argument names to values")
-    return recipe
 
 
 def _build(values: dict[str, Any]) -> tuple[Any, ...]:
@@ -333,7 +438,8 @@ def _build(values: dict[str, Any]) -> tuple[Any, ...]:
 def parse_arguments(argv: list[str], default_recipe: Path | None = None):
     """(model, data, training) arguments from a YAML recipe (+ `--key value` overrides), or from flags alone.
 
-    Both go through the same conversion of every value to its field's type (`trainer.training.recipe_types`).
+    Both go through the same conversion of every value to its field's type and range check
+    (`trainer.training.recipe_types`), named by the key the user wrote.
     """
     if not argv and default_recipe is not None:
         argv = [str(default_recipe)]
@@ -342,7 +448,7 @@ def parse_arguments(argv: list[str], default_recipe: Path | None = None):
         raise SystemExit(0)
     recipe: dict[str, Any] = {}
     if argv and argv[0].endswith((".yaml", ".yml")):
-        recipe, argv = _read_recipe(argv[0]), argv[1:]
+        recipe, argv = read_recipe(argv[0]), argv[1:]
     hints = field_types(ARGUMENT_CLASSES) | TYPE_OVERRIDES
     values = _typed(_canonical(recipe, "the recipe"), hints, "recipe field", "")
     flags = _canonical(_negations(_overrides(argv), hints), "the command line")

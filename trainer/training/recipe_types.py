@@ -4,6 +4,12 @@ The argument dataclasses check no types, and YAML 1.1 (PyYAML) reads `1e-3` as a
 false, so an unconverted value fails far from the recipe (a TypeError inside torch's Adam) or silently (the string
 "false" is truthy). Each value is converted by its field's resolved type hint: int, float, bool, str, enums,
 `Literal`, `list[...]`, `dict[...]` and unions of them (`X | None` included).
+
+Each field's range is declared once as a `Rule` (`at_least`, `above`, `between`, `one_of`) in a table beside the
+fields (`trainer.training.arguments.RULES`, `trainer.objective.config.OBJECTIVE_RULES`) and checked by `check_rule`,
+both where a recipe value is converted (naming the key the user wrote) and in the dataclasses' `__post_init__`
+(`check_fields`), so `max_length: -3` or `gradient_accumulation_steps: 0` stop before any work. Error messages quote
+a value through `quote`: at most a short prefix, and never a URL's credentials.
 """
 
 from __future__ import annotations
@@ -11,8 +17,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal, Union
 
@@ -21,6 +30,9 @@ FALSE_WORDS = frozenset({"false", "no", "off", "0", "f", "n"})
 QUOTE_HINT = " (YAML reads an unquoted no/off/false or yes/on/true as a boolean: quote the word)"
 INT_LIMIT = Decimal(2) ** 63
 NONE_TYPE = type(None)
+QUOTE_LIMIT = 80  # characters of a value an error message quotes
+# A URL's user information (`scheme://user:password@`): never echoed, recorded or logged.
+URL_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#@]+@")
 
 
 class _Mismatch(Exception):
@@ -52,11 +64,110 @@ def convert(value: Any, hint: Any, label: str, choices: tuple[Any, ...] = ()) ->
     try:
         converted = _convert(value, hint)
     except _Mismatch:
-        quote = QUOTE_HINT if isinstance(value, bool) and _takes_words(hint) else ""
-        raise ValueError(f"{label}: {value!r} is not {describe(hint)}{quote}") from None
+        quote_hint = QUOTE_HINT if isinstance(value, bool) and _takes_words(hint) else ""
+        raise ValueError(f"{label}: {quote(value)} is not {describe(hint)}{quote_hint}") from None
     if choices and converted is not None and converted not in choices:
-        raise ValueError(f"{label}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        raise ValueError(f"{label}: {quote(value)} is not one of {', '.join(map(repr, choices))}")
     return converted
+
+
+def redacted(text: str) -> str:
+    """`text` with the user information of every URL in it replaced by `***`."""
+    return URL_CREDENTIALS.sub(r"\1***@", text)
+
+
+def has_credentials(value: Any) -> bool:
+    """Whether a value (a string, or a list or dict holding strings) holds a URL with a user name or password."""
+    if isinstance(value, str):
+        return URL_CREDENTIALS.search(value) is not None
+    if isinstance(value, dict):
+        return any(has_credentials(key) or has_credentials(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(has_credentials(item) for item in value)
+    return False
+
+
+def quote(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """A value as an error message shows it: its repr, credentials hidden, cut to `limit` characters + "…"
+    (a recipe value can be long: the message stays one short line)."""
+    text = redacted(repr(value))
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+# -- declared ranges -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A finite number within [low, high] (an end of None is open-ended; `*_open` excludes that end)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""  # what the value means at its edge, e.g. "(0: off)"
+
+    def admits(self, value: Any) -> bool:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            return False
+        above_low = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below_high = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above_low and below_high
+
+    def __str__(self) -> str:
+        if self.high is None:
+            words = f"{'>' if self.low_open else '>='} {self.low}"
+        elif self.low is None:
+            words = f"{'<' if self.high_open else '<='} {self.high}"
+        else:
+            words = f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        return f"{words} {self.note}" if self.note else words
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """One of a few named values (a dtype, a mode)."""
+
+    values: tuple[Any, ...]
+
+    def admits(self, value: Any) -> bool:
+        return any(type(value) is type(choice) and value == choice for choice in self.values)
+
+    def __str__(self) -> str:
+        return f"one of {self.values!r}"
+
+
+Rule = Bounds | OneOf
+
+
+def at_least(low: float, note: str = "") -> Bounds:
+    return Bounds(low=low, note=note)
+
+
+def above(low: float, note: str = "") -> Bounds:
+    return Bounds(low=low, low_open=True, note=note)
+
+
+def between(low: float, high: float, *, high_open: bool = False, low_open: bool = False, note: str = "") -> Bounds:
+    return Bounds(low=low, high=high, low_open=low_open, high_open=high_open, note=note)
+
+
+def one_of(*values: Any) -> OneOf:
+    return OneOf(tuple(values))
+
+
+def check_rule(value: Any, name: str, rule: Rule | None) -> None:
+    """Refuse `value` of field `name` (the key the user wrote) outside its declared rule; None (unset) passes:
+    whether a field may be unset is its type's business."""
+    if rule is not None and value is not None and not rule.admits(value):
+        raise ValueError(f"{name} must be {rule} (got {quote(value)}).")
+
+
+def check_fields(instance: Any, rules: dict[str, Rule], name_of: Callable[[dataclasses.Field], str] | None = None):
+    """Every field of a dataclass instance against `rules` (by field name), named by `name_of` (its recipe key)."""
+    for knob in dataclasses.fields(instance):
+        if knob.name in rules:
+            check_rule(getattr(instance, knob.name), name_of(knob) if name_of else knob.name, rules[knob.name])
 
 
 def describe(hint: Any) -> str:
