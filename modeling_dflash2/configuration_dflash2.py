@@ -46,7 +46,36 @@ DFLASH_FIELDS = (
     "projector_type",
 )
 
+# The value rules that a draft config and the export contract (docs/contract.md) share, defined
+# once here: `trainer.publishing.contract` and `trainer.models.config_bounds` read them, so a config
+# that loads and trains is never refused at export for the same field.
+MIN_BLOCK_SIZE = 2  # rule 6: the anchor plus at least one proposal
+# rule 8: the selector re-ranks its top-k candidates; with one there is nothing to choose, and its
+# sampling distribution would put all mass on the unary argmax.
+MIN_SELECTOR_TOP_K = 2
+
 _warned_rope_types: set[str] = set()
+
+
+def selector_top_k_range(vocab_size: int) -> tuple[int, int]:
+    """Rule 8's inclusive range of `selector_top_k`: at least 2 candidates, at most the vocabulary."""
+    return MIN_SELECTOR_TOP_K, vocab_size
+
+
+def is_positive_finite(value: Any) -> bool:
+    """A real number (not a bool) that is finite and > 0: rule 11's output_multiplier."""
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+def softcap_value(value: Any) -> float | None:
+    """The soft-cap a stored `final_logit_softcapping` means: None when off (null or 0, as vLLM
+    and SGLang read it), else a finite number > 0. Raises ValueError on anything else. An export
+    writes only the `> 0` form and omits an off cap (rule 11)."""
+    if value is None:
+        return None
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"final_logit_softcapping {value!r} must be a finite number > 0, or 0/null for off")
+    return float(value) if value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -107,7 +136,7 @@ def _require_int(field: str, value: Any, minimum: int, maximum: int | None = Non
 
 
 def _require_positive_finite(field: str, value: Any) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+    if not is_positive_finite(value):
         _fail(field, "must be a finite number > 0", value)
     return float(value)
 
@@ -139,14 +168,20 @@ def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
 
 
 def _resolve_architecture(config: Any) -> str:
-    architectures = _attributes(config).get("architectures")
+    return draft_architecture({**_attributes(config), "dflash_config": _dflash_dict(config)})
+
+
+def draft_architecture(values: dict[str, Any]) -> str:
+    """DFlash2 or DFlash v1, from a config's fields (a config.json or a config's attributes):
+    `architectures`, else whether `dflash_config` carries a DFlash2 field."""
+    architectures = values.get("architectures")
     if architectures is None:
-        dfc = _dflash_dict(config)
-        has_v2 = any(name in dfc for name in DFLASH2_REQUIRED_FIELDS)
+        dfc = values.get("dflash_config")
+        has_v2 = isinstance(dfc, dict) and any(name in dfc for name in DFLASH2_REQUIRED_FIELDS)
         return DFLASH2_ARCHITECTURE if has_v2 else DFLASH_V1_ARCHITECTURE
-    if list(architectures) == [DFLASH2_ARCHITECTURE]:
+    if isinstance(architectures, (list, tuple)) and list(architectures) == [DFLASH2_ARCHITECTURE]:
         return DFLASH2_ARCHITECTURE
-    if list(architectures) == [DFLASH_V1_ARCHITECTURE]:
+    if isinstance(architectures, (list, tuple)) and list(architectures) == [DFLASH_V1_ARCHITECTURE]:
         return DFLASH_V1_ARCHITECTURE
     _fail(
         "architectures",
@@ -169,7 +204,7 @@ def _resolve_block_size(config: Any) -> int:
     value = nested if nested is not None else top
     if value is None:
         _fail("dflash_config.block_size", "is required (the trained block size)", value)
-    return _require_int("dflash_config.block_size", value, minimum=2)
+    return _require_int("dflash_config.block_size", value, minimum=MIN_BLOCK_SIZE)
 
 
 def _resolve_rope_theta(config: Any) -> float:
@@ -325,7 +360,15 @@ def resolve_dflash_settings(config: Any) -> DFlashSettings:
         if hidden % conv_group_size:
             _fail("dflash_config.conv_group_size", f"must divide hidden_size={hidden}", conv_group_size)
         selector_rank = _require_int("dflash_config.selector_rank", dfc["selector_rank"], minimum=1)
-        selector_top_k = _require_int("dflash_config.selector_top_k", dfc["selector_top_k"], 1, vocab)
+        low, high = selector_top_k_range(vocab)
+        selector_top_k = dfc["selector_top_k"]
+        if not _is_int(selector_top_k) or not low <= selector_top_k <= high:
+            _fail(
+                "dflash_config.selector_top_k",
+                f"must be an integer in [{low}, vocab_size={high}] (docs/contract.md rule 8: the selector "
+                f"chooses among its top-k candidates)",
+                selector_top_k,
+            )
     else:
         present = [name for name in DFLASH2_REQUIRED_FIELDS if _dflash_value(config, name) is not None]
         if present:
@@ -340,10 +383,10 @@ def resolve_dflash_settings(config: Any) -> DFlashSettings:
         "dflash_config.output_multiplier", _dflash_value(config, "output_multiplier", 1.0)
     )
     softcap = _dflash_value(config, "final_logit_softcapping")
-    if softcap is not None:
-        if not _is_number(softcap) or not math.isfinite(softcap) or softcap < 0:
-            _fail("dflash_config.final_logit_softcapping", "must be a finite number >= 0 (0 or null = off)", softcap)
-        softcap = float(softcap) if softcap > 0 else None
+    try:
+        softcap = softcap_value(softcap)
+    except ValueError:
+        _fail("dflash_config.final_logit_softcapping", "must be a finite number >= 0 (0 or null = off)", softcap)
     input_embedding_scale = _require_positive_finite(
         "dflash_config.input_embedding_scale", _dflash_value(config, "input_embedding_scale", 1.0)
     )
@@ -512,4 +555,14 @@ class DFlash2Config(Qwen3Config):
 
 DFlash2Config.register_for_auto_class()
 
-__all__ = ["DFlash2Config", "DFlashSettings", "resolve_dflash_settings"]
+__all__ = [
+    "MIN_BLOCK_SIZE",
+    "MIN_SELECTOR_TOP_K",
+    "DFlash2Config",
+    "DFlashSettings",
+    "draft_architecture",
+    "is_positive_finite",
+    "resolve_dflash_settings",
+    "selector_top_k_range",
+    "softcap_value",
+]

@@ -208,6 +208,8 @@ def test_architecture_inferred_from_fields_when_absent():
     assert not tiny_v1_config(architectures=None).is_dflash2
 
 
-def test_selector_top_k_of_one_and_full_vocab_are_valid():
-    assert tiny_config(dflash_config=tiny_dflash_config(selector_top_k=1)).selector_top_k == 1
+def test_selector_top_k_of_two_and_full_vocab_are_valid():
+    with pytest.raises(ValueError, match="rule 8"):  # one candidate leaves the selector nothing to choose
+        tiny_config(dflash_config=tiny_dflash_config(selector_top_k=1))
+    assert tiny_config(dflash_config=tiny_dflash_config(selector_top_k=2)).selector_top_k == 2
     assert tiny_config(dflash_config=tiny_dflash_config(selector_top_k=50)).selector_top_k == 50

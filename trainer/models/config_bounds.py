@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from modeling_dflash2.configuration_dflash2 import MIN_BLOCK_SIZE, MIN_SELECTOR_TOP_K
+
 # config.json of a draft is ~2 KiB; reading (and JSON-parsing) a file larger than this is refused.
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -42,11 +44,20 @@ OPTIONAL_BOUNDS: dict[str, tuple[int, int, str]] = {  # a DFlash v1 config may o
     "head_dim": (2, 1024, "4x the largest released head_dim"),
 }
 DFLASH_BOUNDS: dict[str, tuple[int, int, str]] = {
-    "block_size": (2, MAX_BLOCK_SIZE, "servers draft block_size - 1 tokens per step; published drafts use 8 or 16"),
+    "block_size": (
+        MIN_BLOCK_SIZE,
+        MAX_BLOCK_SIZE,
+        "servers draft block_size - 1 tokens per step; published drafts use 8 or 16",
+    ),
     "conv_kernel_size": (1, MAX_BLOCK_SIZE, "at most block_size"),
     "conv_group_size": (1, 65536, "it divides hidden_size"),
     "selector_rank": (1, 65536, "published drafts use 64"),
-    "selector_top_k": (1, 1024, "scores grow with top_k squared per slot; published drafts use 8"),
+    "selector_top_k": (
+        MIN_SELECTOR_TOP_K,
+        1024,
+        "rule 8: the selector chooses among >= 2 candidates; scores grow with top_k squared per slot, "
+        "published drafts use 8-16",
+    ),
 }
 FLOAT32_BYTES = 4
 
@@ -128,11 +139,9 @@ def parameter_count(config: dict[str, Any]) -> int:
     """The draft's parameters, from the contract's tensor list (a v1 config has no conv or selector)."""
     from trainer.publishing.contract import expected_tensors
 
-    dfc = dict(config["dflash_config"])
-    # DFlash v1 (or a config missing them): the DFlash2 modules hold nothing
-    dfc.setdefault("conv_kernel_size", 0)
-    dfc.setdefault("conv_group_size", config["hidden_size"])
-    dfc.setdefault("selector_rank", 0)
+    # DFlash v1 (or a config missing them, or writing them as null): the DFlash2 modules hold nothing
+    absent = {"conv_kernel_size": 0, "conv_group_size": config["hidden_size"], "selector_rank": 0}
+    dfc = {**absent, **{key: value for key, value in config["dflash_config"].items() if value is not None}}
     return sum(math.prod(shape) for shape in expected_tensors({**config, "dflash_config": dfc}).values())
 
 

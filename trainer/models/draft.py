@@ -1,8 +1,15 @@
 """The recipe's draft, from `draft_config` or `init_from`: its config (which the planner reads
-without building anything) and the model training builds from it (fresh, warm-started, LoRA)."""
+without building anything) and the model training builds from it (fresh, warm-started, LoRA).
+
+A draft config the export would refuse is refused here, before anything is built or trained, by the
+export's own rules (`trainer.publishing.contract.draft_config_violations`): the config-only rules as
+the config is read, the rules that need the target once it is loaded (`check_draft_for_target`).
+A DFlash v1 config trains (it is `dflash2 compare`'s baseline) with a warning that it cannot be
+exported, and is refused up front only when the run would end by pushing it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -11,10 +18,35 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.fileio import require_existing_path
 from trainer.models.config_bounds import FLOAT32_BYTES, bounds_violations, check_draft_config, read_config_file
 from trainer.models.warm_start import check_init_from, warm_start
+from trainer.publishing.contract import RULE_22_V1, TargetDimensions, check_exportable_draft
 from trainer.recipe_files import resolve_path
+
+logger = logging.getLogger(__name__)
 
 V1_INIT_FROM = "init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules."
 NO_DRAFT = "draft_config is required (or init_from a DFlash2 checkpoint)."
+V1_TRAINS = (
+    "%s is a DFlash v1 draft: it trains (as the baseline of dflash2 compare) and dflash2 evaluate reads it, "
+    "but export and push_to_hub refuse it (docs/contract.md rule 22)"
+)
+V1_PUSH = "; push_to_hub would fail after training: unset push_to_hub, or train a DFlash2 draft_config"
+
+
+def _read_config(path: Any, source: str) -> DFlash2Config:
+    """`DFlash2Config.from_json_file`, its one-line error naming the file."""
+    try:
+        return DFlash2Config.from_json_file(path)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
+def _checked(config: DFlash2Config, source: str) -> DFlash2Config:
+    """The export's config-only rules, before anything is built: a v1 draft only warns."""
+    if config.is_dflash2:
+        check_exportable_draft(config, source)
+    else:
+        logger.warning(V1_TRAINS, source)
+    return config
 
 
 def load_draft_config(model_args: Any, *, building: bool = True) -> DFlash2Config:
@@ -34,18 +66,38 @@ def load_draft_config(model_args: Any, *, building: bool = True) -> DFlash2Confi
             )
         elif failures := bounds_violations(values):
             raise ValueError(f"draft_config {path}: " + "; ".join(failures))
-        return DFlash2Config.from_json_file(path)
+        return _checked(_read_config(path, f"draft_config {path}"), f"draft_config {path}")
     if model_args.init_from:
         spec = (
             check_init_from(model_args.init_from)
             if building
             else require_existing_path(model_args.init_from, "init_from")
         )
-        config = DFlash2Config.from_pretrained(spec)
+        try:
+            config = DFlash2Config.from_pretrained(spec)
+        except ValueError as error:
+            raise ValueError(f"init_from {spec}: {error}") from None
         if not config.is_dflash2:
             raise ValueError(V1_INIT_FROM)
-        return config
+        return _checked(config, f"init_from {spec}")
     raise ValueError(NO_DRAFT)
+
+
+def check_draft_for_target(config: DFlash2Config, target: Any, push_to_hub: bool = False) -> None:
+    """Once the target is loaded, before training: the export's rules that need it (mask id, depth,
+    hidden size, vocabulary: rules 9, 10, 12, 13) with its messages; a v1 draft is refused only when
+    the run ends with a push, which would export it. `target` is a loaded `FrozenTarget`."""
+    if not config.is_dflash2:
+        if push_to_hub:
+            raise ValueError(RULE_22_V1.format(source="the draft") + V1_PUSH)
+        return
+    dimensions = TargetDimensions(
+        name=str(target.source_name),
+        hidden_size=target.hidden_size,
+        vocab_size=target.vocab_rows,
+        num_layers=target.num_layers,
+    )
+    check_exportable_draft(config, "the draft", dimensions)
 
 
 def build_draft(model_args: Any) -> nn.Module:

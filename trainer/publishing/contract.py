@@ -3,19 +3,32 @@ config.json the servers read, the tensors they expect, and every numbered rule a
 
 SGLang silently ignores unknown tensors and vLLM rejects extra ones, so these checks are the one
 place the contract is enforced: `trainer.publishing.export` runs them before it writes a folder,
-`trainer.models.config_bounds` counts parameters from `expected_tensors`, and the config writer
-(`trainer.plan.configure`) checks its draft config with `config_violations`.
+`trainer.models.config_bounds` counts parameters from `expected_tensors`, the config writer
+(`trainer.plan.configure`) checks its draft config with `config_violations`, and training runs
+`draft_config_violations` on the recipe's draft before anything is trained, so a draft the export
+would refuse is refused with the export's own rule and message before any work is lost.
+
+The bounds a config shares with the contract (block size, selector top-k, soft-cap, multipliers) are
+defined once, in `modeling_dflash2.configuration_dflash2`, and read here.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from modeling_dflash2 import DFlash2Config
+from modeling_dflash2.configuration_dflash2 import (
+    DFLASH2_ARCHITECTURE,
+    DFLASH_V1_ARCHITECTURE,
+    MIN_BLOCK_SIZE,
+    draft_architecture,
+    is_positive_finite,
+    selector_top_k_range,
+    softcap_value,
+)
 from trainer.models.target import TargetSource
 
 NEVER_EMIT = (
@@ -61,22 +74,73 @@ class TargetDimensions:
 # ---------------------------------------------------------------------------------------------
 
 
-def served_is_causal(config: DFlash2Config) -> bool:
-    """`is_causal` must be written explicitly; an unset value is resolved per layer type, which a
-    single flag can express only when every layer resolves the same way."""
+RULE_14_MIXED = (
+    "rule 14: is_causal is unset and layer_types mix full and sliding layers, so full layers are "
+    "bidirectional and sliding layers causal; no single is_causal value serves that. Set is_causal "
+    "explicitly (true or false) in the draft config"
+)
+RULE_22_V1 = (
+    "rule 22: {source} is a DFlash v1 draft (DFlashDraftModel), and export writes DFlash2 drafts only "
+    "(docs/contract.md); a v1 draft is a training baseline: evaluate it with dflash2 evaluate"
+)
+
+
+def _resolved_is_causal(config: DFlash2Config) -> bool | None:
+    """The one `is_causal` every layer resolves to, or None when unset and the layer types disagree."""
     settings = config.dflash_settings
     resolved = {settings.layer_is_causal(i) for i in range(config.num_hidden_layers)}
-    if len(resolved) != 1:
+    return resolved.pop() if len(resolved) == 1 else None
+
+
+def served_is_causal(config: DFlash2Config) -> bool:
+    """`is_causal` must be written explicitly; an unset value is resolved per layer type, which a
+    single flag can express only when every layer resolves the same way (rule 14)."""
+    resolved = _resolved_is_causal(config)
+    if resolved is None:
+        raise ExportValidationError(RULE_14_MIXED)
+    return resolved
+
+
+def check_exportable_architecture(config: dict[str, Any], source: str) -> None:
+    """Rule 22 from a config.json alone, before any weight is loaded: a DFlash v1 checkpoint is
+    refused in one line (loading it as a DFlash2 draft would give identity convolutions and an
+    empty selector)."""
+    try:
+        architecture = draft_architecture(config)
+    except ValueError:
+        return  # a malformed `architectures` is rule 1's to report
+    if architecture == DFLASH_V1_ARCHITECTURE:
+        raise ExportValidationError(RULE_22_V1.format(source=source))
+
+
+def draft_config_violations(
+    config: DFlash2Config, target: TargetDimensions | None = None, expected_block_size: int | None = None
+) -> list[str]:
+    """The rules the export would break on this draft config (rule 22 for a v1 draft, rule 14's
+    resolution, rules 1-15), with the export's own messages: for a draft before it is trained."""
+    if config.dflash_settings.architecture != DFLASH2_ARCHITECTURE:
+        return [RULE_22_V1.format(source="the draft")]
+    is_causal = _resolved_is_causal(config)
+    failures = [RULE_14_MIXED] if is_causal is None else []
+    public = _public_config(config, torch.bfloat16, bool(is_causal))
+    return failures + config_violations(public, target, expected_block_size)
+
+
+def check_exportable_draft(config: DFlash2Config, source: str, target: TargetDimensions | None = None) -> None:
+    """Refuse, in one line, a draft config the export would refuse (`draft_config_violations`)."""
+    failures = draft_config_violations(config, target)
+    if failures:
         raise ExportValidationError(
-            "rule 14: is_causal is unset and layer_types mix full and sliding layers, so full layers are "
-            "bidirectional and sliding layers causal; no single is_causal value serves that. Retrain with "
-            "an explicit is_causal."
+            f"{source}: export would refuse this draft (docs/contract.md), so it is not trained: " + "; ".join(failures)
         )
-    return resolved.pop()
 
 
 def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
     """config.json exactly as the servers read it (docs/contract.md)."""
+    return _public_config(config, dtype, served_is_causal(config))
+
+
+def _public_config(config: DFlash2Config, dtype: torch.dtype, is_causal: bool) -> dict[str, Any]:
     settings = config.dflash_settings
     public = {
         key: value
@@ -107,7 +171,7 @@ def public_config(config: DFlash2Config, dtype: torch.dtype) -> dict[str, Any]:
         dflash_config=dfc,
         num_target_layers=settings.num_target_layers,
         layer_types=list(settings.layer_types),
-        is_causal=served_is_causal(config),
+        is_causal=is_causal,
         rope_parameters={"rope_theta": settings.rope_theta, "rope_type": "default"},
         tie_word_embeddings=False,
         use_cache=False,
@@ -233,16 +297,17 @@ def config_violations(
     if leaked:
         fail(5, f"fields that must never be emitted: {leaked}")
     block, vocab, hidden = dfc["block_size"], config["vocab_size"], config["hidden_size"]
-    if block < 2 or (expected_block_size is not None and block != expected_block_size):
-        fail(6, f"block_size {block} must be >= 2 and equal the trained block {expected_block_size}")
+    if block < MIN_BLOCK_SIZE or (expected_block_size is not None and block != expected_block_size):
+        fail(6, f"block_size {block} must be >= {MIN_BLOCK_SIZE} and equal the trained block {expected_block_size}")
     if not 1 <= dfc["conv_kernel_size"] <= block:
         fail(7, f"conv_kernel_size {dfc['conv_kernel_size']} must be in [1, block_size={block}]")
     if hidden % dfc["conv_group_size"]:
         fail(7, f"conv_group_size {dfc['conv_group_size']} must divide hidden_size {hidden}")
     if dfc["selector_rank"] < 1:
         fail(8, f"selector_rank {dfc['selector_rank']} must be >= 1")
-    if not 2 <= dfc["selector_top_k"] <= vocab:
-        fail(8, f"selector_top_k {dfc['selector_top_k']} must be in [2, vocab_size={vocab}]")
+    low, high = selector_top_k_range(vocab)
+    if not low <= dfc["selector_top_k"] <= high:
+        fail(8, f"selector_top_k {dfc['selector_top_k']} must be in [{low}, vocab_size={vocab}]")
     if not 0 <= dfc["mask_token_id"] < vocab:
         fail(9, f"mask_token_id {dfc['mask_token_id']} must be in [0, vocab_size={vocab})")
     depth = config.get("num_target_layers")
@@ -251,11 +316,13 @@ def config_violations(
     if target is not None and depth != target.num_layers:
         fail(10, f"num_target_layers {depth} != the target's depth {target.num_layers}")
     multiplier = dfc.get("output_multiplier", 1.0)
-    if not isinstance(multiplier, (int, float)) or not math.isfinite(multiplier) or multiplier <= 0:
+    if not is_positive_finite(multiplier):
         fail(11, f"output_multiplier {multiplier!r} must be finite and > 0")
-    softcap = dfc.get("final_logit_softcapping")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or softcap <= 0 or not math.isfinite(softcap)):
-        fail(11, f"final_logit_softcapping {softcap!r} must be > 0 or omitted (0 means off: omit it)")
+    if dfc.get("final_logit_softcapping") is not None and not _written_softcap(dfc["final_logit_softcapping"]):
+        fail(
+            11,
+            f"final_logit_softcapping {dfc['final_logit_softcapping']!r} must be > 0 or omitted (0 means off: omit it)",
+        )
     if dfc.get("input_embedding_scale", 1.0) != 1.0:
         fail(11, f"input_embedding_scale must be 1.0 (SGLang ignores it), got {dfc['input_embedding_scale']}")
     if config.get("hidden_act") != "silu":
@@ -285,6 +352,15 @@ def config_violations(
     if "rope_theta" in config and isinstance(rope, dict) and config["rope_theta"] != rope.get("rope_theta"):
         fail(15, "top-level rope_theta disagrees with rope_parameters.rope_theta")
     return failures
+
+
+def _written_softcap(value: Any) -> bool:
+    """Rule 11: a written soft-cap is one in use (`softcap_value` not None); an off cap is omitted,
+    since some servers refuse a cap of 0 where others read it as off."""
+    try:
+        return softcap_value(value) is not None
+    except ValueError:
+        return False
 
 
 def tensor_violations(config: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> list[str]:
