@@ -37,7 +37,13 @@ from trainer.models.config_bounds import (
     read_config_file,
 )
 from trainer.models.loading import load_draft
-from trainer.publishing.contract import ExportValidationError, TargetDimensions, contract_violations, public_config
+from trainer.publishing.contract import (
+    ExportValidationError,
+    TargetDimensions,
+    check_exportable_architecture,
+    contract_violations,
+    public_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,7 @@ EXPORT_MEMORY = "the draft as loaded, its cast copy, and the round trip's reload
 
 def check_export_config(config: dict[str, Any], source: str, dtype: torch.dtype, loaded: bool) -> None:
     """Bounds and memory of an export, from the config alone: before loading, and before the round trip."""
+    check_exportable_architecture(config, source)  # rule 22: a DFlash v1 draft, before anything is loaded
     check_draft_config(
         config,
         source,

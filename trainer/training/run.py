@@ -26,7 +26,7 @@ from trainer.data.dataset import DFlashCollator, build_datasets
 from trainer.data.packing import PackedDataset
 from trainer.fileio import write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.models.draft import build_draft
+from trainer.models.draft import build_draft, check_draft_for_target
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
@@ -86,6 +86,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
     )
     draft = build_draft(model_args)
+    check_draft_for_target(draft.config, target, training_args.push_to_hub)  # the export's rules, before training
     target.check_draft(draft.dflash, draft.config)
     check_packing_settings(data_args, training_args)
     if data_args.packing and not data_args.offline:
