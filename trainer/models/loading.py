@@ -3,13 +3,16 @@
 With the published `model_type: "qwen3"`, `AutoModel.from_pretrained(draft)` without
 `trust_remote_code=True` silently returns a randomly initialised `Qwen3Model`. Every draft this
 project loads therefore goes through `load_draft`, which checks the class it got.
+
+Weights are read from safetensors only (`from_pretrained_safetensors`): a pickle (`pytorch_model.bin`)
+from a user's folder or the Hub is never unpickled, not even by torch's weights-only unpickler.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoModel
 
@@ -18,6 +21,26 @@ from trainer.fileio import check_local_checkpoint
 
 DRAFT_CLASSES = {cls.draft_architecture: cls for cls in (DFlashDraftModel, DFlash2DraftModel)}
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder", "force_download")
+# How transformers says a Hub repo has no safetensors weights when `use_safetensors=True`.
+NO_SAFETENSORS_ON_HUB = "cannot be loaded with `safetensors`"
+
+Loaded = TypeVar("Loaded")
+
+
+def from_pretrained_safetensors(loader: type[Loaded], spec: str | os.PathLike, what: str, **kwargs: Any) -> Loaded:
+    """`loader.from_pretrained(spec, use_safetensors=True, ...)`: never a pickle. A local folder with
+    only pickle weights is refused before this (`check_checkpoint_weights`, naming the conversion);
+    a Hub repo without safetensors is refused here in one line naming `what`."""
+    try:
+        return loader.from_pretrained(spec, use_safetensors=True, **kwargs)
+    except OSError as error:
+        if NO_SAFETENSORS_ON_HUB not in str(error):
+            raise
+        raise OSError(
+            f"{what} {spec} has no safetensors weights (model.safetensors or its index), and pickle weights "
+            "(pytorch_model.bin) are never loaded: use a revision with safetensors, or download it, convert "
+            "pytorch_model.bin to model.safetensors where you trust it, and pass the local folder"
+        ) from None
 
 
 def assert_draft_class(model: Any, expected: Iterable[str] = ("DFlash2DraftModel",)) -> None:
@@ -47,15 +70,16 @@ def load_draft(
     By default the class comes from this installed package (chosen by the config's
     `architectures`); `trust_remote_code=True` runs the modeling files shipped in the checkpoint
     instead, as a user without this package would. A local path must exist and its safetensors be
-    whole (checked from their headers), so either mistake is reported naming the file.
+    whole (checked from their headers), so either mistake is reported naming the file; weights are
+    read from safetensors only.
     """
     path_or_repo_id = check_local_checkpoint(path_or_repo_id, "draft", kwargs.get("subfolder"))
     if trust_remote_code:
-        model = AutoModel.from_pretrained(path_or_repo_id, trust_remote_code=True, **kwargs)
+        model = from_pretrained_safetensors(AutoModel, path_or_repo_id, "draft", trust_remote_code=True, **kwargs)
     else:
         hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if key in kwargs}
         config = DFlash2Config.from_pretrained(path_or_repo_id, **hub_kwargs)
         draft_class = DRAFT_CLASSES[config.dflash_settings.architecture]
-        model = draft_class.from_pretrained(path_or_repo_id, config=config, **kwargs)
+        model = from_pretrained_safetensors(draft_class, path_or_repo_id, "draft", config=config, **kwargs)
     assert_draft_class(model, expected)
     return model

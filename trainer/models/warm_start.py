@@ -19,7 +19,7 @@ import torch
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.fileio import check_local_checkpoint
 from trainer.models.config_bounds import FLOAT32_BYTES, check_checkpoint_config
-from trainer.models.loading import assert_draft_class
+from trainer.models.loading import assert_draft_class, from_pretrained_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,9 @@ WARM_START_BYTES_PER_PARAMETER = 2 * FLOAT32_BYTES
 
 
 def check_init_from(init_from: str | os.PathLike, **hub_kwargs) -> str:
-    """`init_from` checked before anything is built from it: the path exists, its safetensors are
-    whole, and its config.json (read alone) has sizes within bounds and a draft that fits in memory.
-    Returns the spec to load from."""
+    """`init_from` checked before anything is built from it: the path exists, its weights are
+    safetensors (never pickles) and whole, and its config.json (read alone) has sizes within bounds
+    and a draft that fits in memory. Returns the spec to load from."""
     init_from = check_local_checkpoint(init_from, "init_from", hub_kwargs.get("subfolder"))
     check_checkpoint_config(
         init_from,
@@ -116,7 +116,9 @@ def warm_start(
     check_warm_start_compatible(
         source, recipe_config, source_name=source_name, allow_block_size_change=allow_block_size_change
     )
-    model = DFlash2DraftModel.from_pretrained(init_from, config=recipe_config, dtype=TRAINING_DTYPE, **hub_kwargs)
+    model = from_pretrained_safetensors(
+        DFlash2DraftModel, init_from, "init_from", config=recipe_config, dtype=TRAINING_DTYPE, **hub_kwargs
+    )
     assert_draft_class(model)
     logger.info(
         "Warm start from %s (%s): %s",

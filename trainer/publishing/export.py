@@ -27,16 +27,18 @@ from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
 from trainer.fileio import (
     check_checkpoint_weights,
     replace_directory,
+    reporting_disk_full,
     require_existing_path,
     write_directory_atomically,
 )
 from trainer.models.config_bounds import (
     FLOAT32_BYTES,
+    MAX_CONFIG_BYTES,
     check_checkpoint_config,
     check_draft_config,
     read_config_file,
 )
-from trainer.models.loading import load_draft
+from trainer.models.loading import from_pretrained_safetensors, load_draft
 from trainer.publishing.contract import (
     ExportValidationError,
     TargetDimensions,
@@ -51,6 +53,15 @@ PROVENANCE_FILE = "dflash2_provenance.json"
 RECIPE_FILE = "dflash2_recipe.json"
 PLOT_FILE = "acceptance_per_position.png"
 SECRET_KEYS = ("hub_token", "push_to_hub_token", "token", "hf_token")
+# Read limits of a run's records: a recipe is a few KiB; trainer_state.json logs every logging step.
+RECIPE_LIMIT = 16 * MAX_CONFIG_BYTES
+STATE_LIMIT = 256 * MAX_CONFIG_BYTES
+
+
+def shipped_remote_code(filename: str) -> Path:
+    """The modeling file this version ships, which every export carries byte for byte (rule: the
+    remote code a `trust_remote_code` user runs is exactly this package's)."""
+    return Path(modeling_dflash2.__file__).parent / filename
 
 
 def export_bytes_per_parameter(dtype: torch.dtype, loaded: bool) -> float:
@@ -108,7 +119,7 @@ def load_trained_draft(
         raise ValueError(f"{checkpoint} has no config.json: pass the draft config (--config) to export it.")
     check_export_config(read_config_file(config, "draft config"), f"draft config {config}", dtype, False)
     draft_config = DFlash2Config.from_json_file(config)
-    return DFlash2DraftModel.from_pretrained(checkpoint, config=draft_config)
+    return from_pretrained_safetensors(DFlash2DraftModel, checkpoint, "checkpoint", config=draft_config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +140,8 @@ def remove_secrets(value: Any) -> Any:
 
 
 def training_record(checkpoint: Path) -> dict[str, Any]:
-    """The recipe and the last logged metrics found in a checkpoint, read from JSON only.
+    """The recipe and the last logged metrics found in a checkpoint, read from JSON only; a record
+    that is not a JSON object (damaged, or someone else's) is refused in one line naming the file.
 
     `training_args.bin` (HF's pickle of the arguments) is never read: unpickling a checkpoint that
     came from someone else would run whatever code it holds.
@@ -137,15 +149,18 @@ def training_record(checkpoint: Path) -> dict[str, Any]:
     record: dict[str, Any] = {}
     recipe_file = checkpoint / RECIPE_FILE
     if recipe_file.exists():
-        recipe = json.loads(recipe_file.read_text())
+        recipe = read_config_file(recipe_file, "recorded recipe", RECIPE_LIMIT)
         record.update(remove_secrets({k: v for k, v in recipe.items() if k != "format"}))
     elif (checkpoint / "training_args.bin").exists():
         logger.warning("%s has no %s; its training_args.bin is a pickle and is not read.", checkpoint, RECIPE_FILE)
     state_file = checkpoint / "trainer_state.json"
     if state_file.exists():
-        state = json.loads(state_file.read_text())
+        state = read_config_file(state_file, "trainer state", STATE_LIMIT)
+        history = state.get("log_history", [])
+        if not isinstance(history, list):
+            raise ValueError(f"trainer state {state_file}: log_history must be a list, got {type(history).__name__}")
         record["global_step"] = state.get("global_step")
-        evaluations = [log for log in state.get("log_history", []) if "eval_loss" in log]
+        evaluations = [log for log in history if isinstance(log, dict) and "eval_loss" in log]
         if evaluations:
             record["evaluation"] = evaluations[-1]
     return record
@@ -163,7 +178,7 @@ def _versions() -> dict[str, str]:
 
 def _check_round_trip(directory: Path, model: DFlash2DraftModel, dtype: torch.dtype) -> None:
     """Rule 20: the written folder reloads strictly and reproduces the in-memory draft's outputs."""
-    reloaded = DFlash2DraftModel.from_pretrained(directory, dtype=dtype).eval()
+    reloaded = from_pretrained_safetensors(DFlash2DraftModel, directory, "export", dtype=dtype).eval()
     reference = DFlash2DraftModel(model.config).to(dtype).eval()
     reference.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
     generator = torch.Generator().manual_seed(0)
@@ -250,9 +265,8 @@ def export_draft(
     def write(directory: Path) -> None:
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-        package = Path(modeling_dflash2.__file__).parent
         for filename in REMOTE_CODE_FILES:
-            shutil.copyfile(package / filename, directory / filename)
+            shutil.copyfile(shipped_remote_code(filename), directory / filename)
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
         plot = save_acceptance_plot(directory / PLOT_FILE, record.get("evaluation"), reports)
         plot_file = PLOT_FILE if plot else None
@@ -260,15 +274,19 @@ def export_draft(
         card.save(directory / "README.md")
         _check_round_trip(directory, model, dtype)
 
-    if overwrite and output_dir.exists():
-        staging = output_dir.with_name(f".{output_dir.name}.new-{uuid.uuid4().hex[:8]}")
-        write_directory_atomically(staging, write)
-        try:
-            replace_directory(staging, output_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone once in place; removed if the swap failed
-    else:
-        write_directory_atomically(output_dir, write)
+    # A full disk is the documented one line: what was being written, the space left, what is kept.
+    kept = f"the earlier export at {output_dir} is kept" if output_dir.exists() else "no partial export is left"
+    kept += f", the checkpoint {source} is untouched" if source is not None else ""
+    with reporting_disk_full("the export", output_dir, kept):
+        if overwrite and output_dir.exists():
+            staging = output_dir.with_name(f".{output_dir.name}.new-{uuid.uuid4().hex[:8]}")
+            write_directory_atomically(staging, write)
+            try:
+                replace_directory(staging, output_dir)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)  # gone once in place; removed if the swap failed
+        else:
+            write_directory_atomically(output_dir, write)
     logger.info("Exported %s (%d tensors, %s)", output_dir, len(tensors), dtype)
     return output_dir
 
