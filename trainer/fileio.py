@@ -9,6 +9,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import tempfile
 import uuid
@@ -324,14 +326,45 @@ def check_safetensors_file(path: str | os.PathLike) -> dict[str, Any]:
     return tensors
 
 
+# Pickle weights (torch.save) that transformers or PEFT would load when no safetensors sit beside them:
+# pytorch_model.bin, its shards pytorch_model-0000i-of-0000n.bin (listed in PICKLE_INDEX), adapter_model.bin.
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_WEIGHTS = r"pytorch_model.*\.bin|adapter_model\.bin"
+
+
+def refuse_pickle_only_weights(directory: Path) -> None:
+    """Refuse a local checkpoint whose only weights are pickles, naming them and a command that
+    converts them: nothing a user or the Hub supplies is unpickled, not even by torch's weights-only
+    unpickler (a crafted file ends in a traceback advising `weights_only=False`)."""
+    names = {path.name for path in directory.iterdir()}
+    pickles = sorted(name for name in names if re.fullmatch(PICKLE_WEIGHTS, name))
+    if not pickles and PICKLE_INDEX not in names:
+        return
+    converted = "adapter_model.safetensors" if pickles == ["adapter_model.bin"] else "model.safetensors"
+    sources = ", ".join(json.dumps(str(directory / name)) for name in pickles)
+    code = (
+        "import torch; from safetensors.torch import save_file; "
+        f"save_file({{k: v.contiguous().clone() for f in [{sources}] "
+        "for k, v in torch.load(f, weights_only=True).items()}, "
+        f'{json.dumps(str(directory / converted))}, metadata={{"format": "pt"}})'
+    )
+    raise ValueError(
+        f"{directory} holds only pickle weights ({', '.join(pickles) or PICKLE_INDEX}), which are never loaded: "
+        f"convert them to safetensors once, where you trust the file, e.g. python -c {shlex.quote(code)}"
+    )
+
+
 def check_checkpoint_weights(directory: str | os.PathLike) -> None:
     """Header-check every safetensors file a local checkpoint directory loads from (single file,
-    adapter, or the shards of an index); a Hub id or a missing directory is left to the loader."""
+    adapter, or the shards of an index); a Hub id or a missing directory is left to the loader.
+    A directory with pickle weights and no safetensors is refused (`refuse_pickle_only_weights`)."""
     directory = Path(directory)
     if not directory.is_dir():
         return
     files = [directory / name for name in CHECKPOINT_WEIGHTS if (directory / name).is_file()]
     index = directory / SAFETENSORS_INDEX
+    if not files and not index.is_file():
+        refuse_pickle_only_weights(directory)
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())

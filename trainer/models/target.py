@@ -41,6 +41,7 @@ from trainer.fileio import (
     write_directory_atomically,
 )
 from trainer.locks import lock_cache_entry
+from trainer.models.loading import from_pretrained_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class FrozenTarget(TargetSizes):
             model, tokenizer = _load_gguf_through_cache(source, dtype, cache_root or default_cache_root())
         else:
             check_checkpoint_weights(source.name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(source.name_or_path, dtype=dtype)
+            model = from_pretrained_safetensors(AutoModelForCausalLM, source.name_or_path, "target", dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source.name_or_path)
         if device is not None:
             model.to(device)
