@@ -8,7 +8,8 @@ line `field old → new`, unless the recipe lists them in `resume_allow_changes`
 
 - model: every key of the effective draft config (`block_size`, `target_layer_ids`, widths,
   depths, `selector_top_k`, `selector_rank`, ...), `lora_*`, the `target` (its fingerprint: the
-  source, its config and a few sampled rows of its embedding and LM head) and `target_dtype`;
+  source's content, never its path, its config and a few sampled rows of its embedding and LM
+  head) and `target_dtype`;
 - data: the `dataset` fingerprint (sample count and sampled rows of the tokenised training set)
   and the settings that change what is trained on (`max_length`, `packing`, `num_train_samples`,
   `num_eval_samples`, the generation settings, columns, split, `system_prompt`, ...);
@@ -23,6 +24,10 @@ fingerprinted, ...) may change silently. An allowed `learning_rate` change takes
 (`apply_learning_rate`): the scheduler's state would otherwise bring the old one back. A
 schedule change (type, warmup) takes effect by itself: HF rebuilds the schedule from the new
 arguments and restores only its step and base rates from the checkpoint.
+
+A recorded recipe that is not a record this project wrote (`{}`, a list, a section or identity
+value of the wrong type, no training arguments) would compare nothing and pass: it is a damaged
+checkpoint (`recipe_problems`), skipped by `--resume_from_checkpoint true` and refused when named.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -37,6 +43,8 @@ from typing import Any
 
 import torch
 
+from trainer.fileio import DamagedFileError, read_json
+from trainer.models.target import config_identity
 from trainer.objective.config import ObjectiveConfig
 from trainer.publishing.export import RECIPE_FILE
 
@@ -104,6 +112,11 @@ OPTIMIZATION_FIELDS = (
     "data_seed",
 )
 IDENTITY_FIELDS = ("target", "dataset", "world_size")
+RECIPE_FORMAT = "dflash2-hub recipe"
+RECIPE_SECTIONS = ("model_arguments", "data_arguments", "training_arguments", IDENTITY_KEY)
+# Target fingerprints from content (never the path) carry this prefix; an older record's (20 hex
+# digits, no prefix) depended on the target's path and is not compared (it would refuse a moved target).
+TARGET_SCHEME = "v2-"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,13 +144,14 @@ def _sampled_rows(weight: torch.Tensor, count: int) -> bytes:
 
 
 def target_fingerprint(target: Any) -> str:
-    """The target's identity: its source fingerprint, its config and sampled embedding / head rows
-    (a few kilobytes read, so a different checkpoint under the same path is caught cheaply)."""
+    """The target's identity: its source fingerprint (from its files' content), its config without
+    where it was loaded from, and sampled embedding / head rows (a few kilobytes read, so another
+    checkpoint of the same shapes is caught cheaply); the same bytes anywhere give the same value."""
     hasher = hashlib.sha256(str(target.fingerprint()).encode())
-    hasher.update(json.dumps(target.model.config.to_dict(), sort_keys=True, default=str).encode())
+    hasher.update(json.dumps(config_identity(target.model.config), sort_keys=True, default=str).encode())
     hasher.update(_sampled_rows(target.embedding_weight, TARGET_SAMPLE_ROWS))
     hasher.update(_sampled_rows(target.lm_head.weight, TARGET_SAMPLE_ROWS))
-    return hasher.hexdigest()[:20]
+    return TARGET_SCHEME + hasher.hexdigest()[:20]
 
 
 def dataset_fingerprint(dataset: Any) -> str | None:
@@ -182,6 +196,12 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+def _path_dependent_target(identity: dict[str, Any]) -> bool:
+    """Whether a recorded target fingerprint predates content fingerprints (it hashed the path)."""
+    value = identity.get("target")
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{20}", value) is not None
+
+
 def _compare(old: dict[str, Any], new: dict[str, Any], names: Iterable[str]) -> list[tuple[str, Any, Any]]:
     """(name, old, new) for each of `names` both records hold with different values."""
     return [(name, old[name], new[name]) for name in names if name in old and name in new and old[name] != new[name]]
@@ -199,7 +219,8 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, 
     old_draft, new_draft = section(old_identity, "draft_config"), section(new_identity, "draft_config")
     changes = _compare(old_draft, new_draft, new_draft)
     changes += _compare(section(old, "model_arguments"), section(new, "model_arguments"), MODEL_FIELDS)
-    changes += _compare(old_identity, new_identity, ("target",))
+    if not _path_dependent_target(old_identity):
+        changes += _compare(old_identity, new_identity, ("target",))
     changes += _compare(old_identity, new_identity, ("dataset",))
     changes += _compare(section(old, "data_arguments"), section(new, "data_arguments"), DATA_FIELDS)
     old_training, new_training = section(old, "training_arguments"), section(new, "training_arguments")
@@ -208,9 +229,66 @@ def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, 
     return changes
 
 
+def _short(value: Any, limit: int = 40) -> str:
+    shown = json.dumps(value, default=str)
+    return shown if len(shown) <= limit else shown[:limit] + "…"
+
+
+def _json_kind(value: Any) -> str:
+    return type(value).__name__.replace("dict", "object").replace("NoneType", "null")
+
+
+def recipe_problems(record: Any) -> list[str]:
+    """Why `record` cannot be a recipe record this project wrote (empty when it can be): every
+    run records its training arguments (with `learning_rate`), each section is an object, and the
+    resume identity's values have their types. Without this, `{}` or a list would compare nothing."""
+    if not isinstance(record, dict):
+        return [f"it holds a JSON {_json_kind(record)}, not a recipe record (an object)"]
+    problems = []
+    if "format" in record and record["format"] != RECIPE_FORMAT:
+        problems.append(f"format is {_short(record['format'])}, not {RECIPE_FORMAT!r}")
+    for key in RECIPE_SECTIONS:
+        if key in record and not isinstance(record[key], dict):
+            problems.append(f"{key} is a JSON {_json_kind(record[key])}, not an object")
+    training = record.get("training_arguments")
+    if isinstance(training, dict | type(None)) and "learning_rate" not in (training or {}):
+        problems.append("it records no training_arguments with a learning_rate (every run records them)")
+    elif isinstance(training, dict) and (
+        isinstance(training["learning_rate"], bool) or not isinstance(training["learning_rate"], int | float)
+    ):
+        problems.append(f"training_arguments.learning_rate is {_short(training['learning_rate'])}, not a number")
+    identity = record.get(IDENTITY_KEY)
+    if isinstance(identity, dict):
+        expected = {"draft_config": (dict,), "target": (str,), "dataset": (str, type(None)), "world_size": (int,)}
+        for key, kinds in expected.items():
+            value = identity.get(key)
+            if key in identity and (not isinstance(value, kinds) or isinstance(value, bool)):
+                problems.append(f"{IDENTITY_KEY}.{key} is {_short(value)}, a JSON {_json_kind(value)}")
+        world_size = identity.get("world_size")
+        if type(world_size) is int and world_size < 1:
+            problems.append(f"{IDENTITY_KEY}.world_size is {world_size}, not a count of ranks")
+    return problems
+
+
+def recorded_recipe_problems(checkpoint: Path) -> list[str]:
+    """`recipe_problems` of a checkpoint's `dflash2_recipe.json`, each naming the file (none when
+    the file is absent: a checkpoint written before recipes were recorded)."""
+    path = Path(checkpoint) / RECIPE_FILE
+    if not path.is_file():
+        return []
+    try:
+        record = read_json(path)
+    except DamagedFileError as error:
+        return [f"{RECIPE_FILE} {error.reason}"]
+    except OSError as error:
+        return [f"{RECIPE_FILE} cannot be read ({error.strerror or error})"]
+    return [f"{RECIPE_FILE} is damaged: {problem}" for problem in recipe_problems(record)]
+
+
 def read_recorded_recipe(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's recorded recipe, or None (with a warning) for a checkpoint written before
-    recipes were recorded; an unreadable one is refused naming the file."""
+    recipes were recorded; an unreadable or damaged one (`recipe_problems`) is refused in one line
+    naming the file: a damaged checkpoint, never a pass."""
     path = Path(checkpoint) / RECIPE_FILE
     if not path.is_file():
         logger.warning(
@@ -220,12 +298,15 @@ def read_recorded_recipe(checkpoint: Path) -> dict[str, Any] | None:
             RECIPE_FILE,
         )
         return None
-    try:
-        record = json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}): cannot check the resumed run against it") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} is not a recipe record (a JSON object)")
+    record = read_json(path, "recorded recipe")
+    problems = recipe_problems(record)
+    if problems:
+        raise DamagedFileError(
+            path,
+            "recorded recipe",
+            f"is damaged ({'; '.join(problems)}): the checkpoint cannot be checked against this run; resume from "
+            "an earlier checkpoint or train into a new output_dir",
+        )
     return record
 
 
@@ -235,6 +316,12 @@ def check_unchanged(checkpoint: Path, new: dict[str, Any], allowed: Sequence[str
     old = read_recorded_recipe(checkpoint)
     if old is None:
         return []
+    if _path_dependent_target(old.get(IDENTITY_KEY) or {}):
+        logger.warning(
+            "%s recorded its target by a fingerprint of its path (before dflash2-hub fingerprinted content): "
+            "the target is not compared on this resume.",
+            checkpoint,
+        )
     changes = changed_fields(old, new)
     refused = [(name, before, after) for name, before, after in changes if name not in allowed]
     if refused:
