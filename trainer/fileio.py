@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -13,6 +14,7 @@ import re
 import shlex
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -395,3 +397,167 @@ def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading what users and earlier runs wrote: every failure names the file
+# ---------------------------------------------------------------------------------------------
+
+
+class DamagedFileError(ValueError):
+    """A file the project reads is not what it should be (not UTF-8, not valid JSON, the wrong JSON
+    type). The message names the file and, where the parser knows it, the line and column;
+    `reason` is the message without the file, for callers that name it themselves."""
+
+    def __init__(self, path: str | os.PathLike, what: str | None, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{what + ' ' if what else ''}{path} {reason}")
+
+
+JSON_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def _json_type_name(value: Any) -> str:
+    if isinstance(value, bool | type(None) | dict | list | str):
+        return JSON_TYPE_NAMES[type(value)]
+    return "a number"
+
+
+def read_text(path: str | os.PathLike, what: str | None = None) -> str:
+    """The UTF-8 text of `path`; bytes that are not UTF-8 are refused naming the file, line and column
+    (an OSError, e.g. a missing file, passes unchanged: it names the file itself)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        reason = f"is not UTF-8 text (byte 0x{data[error.start]:02x} at line {line}, column {column})"
+        raise DamagedFileError(path, what, reason) from None
+
+
+def read_json(path: str | os.PathLike, what: str | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
+    """`path` parsed as JSON, refused in one line naming the file (and line and column) when it is
+    not UTF-8 or not valid JSON, or when its top-level value is not of `kind` (dict, list, ...)."""
+    text = read_text(path, what)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DamagedFileError(
+            path, what, f"is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
+        ) from None
+    except RecursionError:
+        raise DamagedFileError(path, what, "is not valid JSON (nested too deeply)") from None
+    kinds = kind if isinstance(kind, tuple) else (kind,) if kind is not None else ()
+    if kinds and not isinstance(value, kinds):
+        expected = " or ".join(JSON_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        raise DamagedFileError(path, what, f"holds {_json_type_name(value)}, not {expected} (JSON)")
+    return value
+
+
+def read_json_object(path: str | os.PathLike, what: str | None = None) -> dict[str, Any]:
+    """`read_json(path, what, dict)`: the JSON object in `path`, or one line naming the file."""
+    return read_json(path, what, dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Content digests
+# ---------------------------------------------------------------------------------------------
+
+HASH_BUFFER = 1 << 20
+# A digest is remembered per file version only once the file's timestamps are older than this:
+# timestamps tick coarsely (a few ms), so a same-size rewrite right after could keep them equal.
+SETTLED_NS = 2_000_000_000
+
+
+def _signature(path: Path) -> tuple[int, ...]:
+    """What changes whenever a file's content can have changed (no path: a moved file keeps it)."""
+    stat = path.stat()
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=8192)
+def _remembered(key: tuple, compute: Callable[[Path], str], path: Path) -> str:
+    return compute(path)
+
+
+def _once_per_version(path: Path, compute: Callable[[Path], str]) -> str:
+    """`compute(path)`, remembered in this process for the file's current version (`_signature`)
+    once its timestamps have settled, so checking a checkpoint twice reads it once."""
+    signature = _signature(path)
+    if time.time_ns() - max(signature[3], signature[4]) < SETTLED_NS:
+        return compute(path)
+    return _remembered((signature, compute.__name__), compute, path)
+
+
+def _stream_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(HASH_BUFFER):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The file's sha256, streamed in 1 MiB reads (hashlib runs at about 1-2 GB/s per core and
+    releases the GIL, so threads hash several files at once)."""
+    return _once_per_version(Path(path), _stream_sha256)
+
+
+SAMPLE_HEAD_BYTES = 16 << 20
+SAMPLE_WINDOWS = 256
+SAMPLE_WINDOW_BYTES = 4096
+
+
+def _sampled_sha256(path: Path) -> str:
+    size = path.stat().st_size
+    hasher = hashlib.sha256(f"{size}|".encode())
+    with path.open("rb") as handle:
+        hasher.update(handle.read(SAMPLE_HEAD_BYTES))
+        if size > SAMPLE_HEAD_BYTES:
+            span = size - SAMPLE_WINDOW_BYTES
+            for index in range(SAMPLE_WINDOWS + 1):
+                handle.seek(SAMPLE_HEAD_BYTES + (span - SAMPLE_HEAD_BYTES) * index // SAMPLE_WINDOWS)
+                hasher.update(handle.read(SAMPLE_WINDOW_BYTES))
+    return hasher.hexdigest()
+
+
+def sampled_file_digest(path: str | os.PathLike) -> str:
+    """An identity of a (possibly huge) file read in O(17 MiB): its size, its first 16 MiB (a GGUF's
+    metadata and tokenizer, a checkpoint's header) and 257 evenly spaced 4 KiB windows up to its
+    last bytes. Another model or quantisation differs in nearly every window; a same-size edit
+    between windows does not change it (an identity, not an integrity check: `sha256_file`)."""
+    return _once_per_version(Path(path), _sampled_sha256)
+
+
+TENSOR_WINDOW_BYTES = 1024
+
+
+def _safetensors_sampled_sha256(path: Path) -> str:
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        header_length = int.from_bytes(handle.read(8), "little")
+        if not 0 < header_length <= min(size - 8, 100 << 20):
+            return _sampled_sha256(path)  # not a readable header: sample it as any file
+        header = handle.read(header_length)
+        hasher = hashlib.sha256(f"{size}|".encode() + header)
+        try:
+            spans = sorted(
+                tuple(entry["data_offsets"]) for name, entry in json.loads(header).items() if name != "__metadata__"
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return _sampled_sha256(path)
+        start = 8 + header_length
+        for begin, end in spans:
+            for offset in (begin, (begin + end) // 2):
+                handle.seek(start + offset)
+                hasher.update(handle.read(min(TENSOR_WINDOW_BYTES, max(end - offset, 0))))
+    return hasher.hexdigest()
+
+
+def safetensors_digest(path: str | os.PathLike) -> str:
+    """An identity of a safetensors file read in O(header + 2 KiB per tensor): its size, its whole
+    header (every tensor's name, dtype, shape and offsets) and 1 KiB at the start and the middle of
+    each tensor, so another fine-tune of the same architecture differs while a 60 GB target costs a
+    few MB of reads. Like `sampled_file_digest`, an identity, not an integrity check."""
+    return _once_per_version(Path(path), _safetensors_sampled_sha256)

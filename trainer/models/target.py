@@ -38,6 +38,8 @@ from trainer.fileio import (
     default_cache_root,
     digest,
     require_existing_path,
+    safetensors_digest,
+    sampled_file_digest,
     write_directory_atomically,
 )
 from trainer.locks import lock_cache_entry
@@ -120,12 +122,45 @@ class TargetSource:
         return AutoConfig.from_pretrained(self.name_or_path, **self.load_kwargs).get_text_config()
 
     def fingerprint(self) -> str:
-        """Identity of the weights: a GGUF file by path, size and mtime; otherwise the name."""
-        parts: dict[str, Any] = {"name": self.name_or_path, "gguf": self.gguf_file}
-        if self.gguf_file:
-            stat = (Path(self.name_or_path) / self.gguf_file).stat()
-            parts.update(size=stat.st_size, mtime=int(stat.st_mtime))
-        return digest(parts)
+        """Identity of the target for caches and resume, from its content and never its path, so a
+        moved, copied or relatively named copy of the same files is the same target: a local
+        folder by `local_target_files`, a GGUF file by `sampled_file_digest` (its metadata and
+        tokenizer in the first 16 MiB, windows through its tensors), a Hub id by its name (the
+        files are not here to read). Cost: a few MB of reads for a 60 GB target, once per file
+        version per process; no mtime, so a re-download of the same bytes keeps its caches."""
+        local = Path(self.name_or_path)
+        if self.gguf_file and (local / self.gguf_file).is_file():
+            return digest({"gguf": sampled_file_digest(local / self.gguf_file)})
+        if not self.gguf_file and local.is_dir():
+            return digest({"files": local_target_files(local)})
+        return digest({"name": self.name_or_path, "gguf": self.gguf_file})
+
+
+# What a target folder may hold that says nothing about the model: documentation, licences, VCS and lock files.
+NOT_MODEL_SUFFIXES = (".md", ".lock")
+NOT_MODEL_PREFIXES = ("LICENSE", "NOTICE", "USE_POLICY")
+
+
+def local_target_files(directory: Path) -> dict[str, str]:
+    """Each file of a target folder that transformers may read (its top level: config, tokenizer,
+    generation config, weights and their index; not documentation, hidden or lock files, nor
+    subfolders such as `original/`) and its content identity: a safetensors file by its header and
+    1 KiB at the start and middle of each tensor (`safetensors_digest`), any other by
+    `sampled_file_digest` (the whole content up to 16 MiB, so every config and tokenizer file)."""
+    identity = {}
+    for path in sorted(Path(directory).iterdir()):
+        name = path.name
+        if name.startswith(".") or name.endswith(NOT_MODEL_SUFFIXES) or name.upper().startswith(NOT_MODEL_PREFIXES):
+            continue
+        if path.is_file():
+            identity[name] = safetensors_digest(path) if name.endswith(".safetensors") else sampled_file_digest(path)
+    return identity
+
+
+def config_identity(config: PretrainedConfig) -> dict[str, Any]:
+    """A config's values without transformers' private keys (`_name_or_path`: where it was loaded
+    from, `_attn_implementation`, ...), which say nothing about the model."""
+    return {key: value for key, value in config.to_dict().items() if not key.startswith("_")}
 
 
 def _dequantized_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -234,12 +269,12 @@ class FrozenTarget(TargetSizes):
         return self.model.config.name_or_path or type(self.model).__name__
 
     def fingerprint(self) -> str:
-        """Cache identity of the target: its source, or for an in-memory model its config and a
-        checksum of its embedding and head."""
+        """Cache identity of the target: its source, or for an in-memory model its config (without
+        private keys such as its path) and a checksum of its embedding and head."""
         if self.source is not None:
             return self.source.fingerprint()
         weights = [float(self.embedding_weight.double().sum()), float(self.lm_head.weight.double().sum())]
-        return digest({"config": self.model.config.to_dict(), "weights": weights})
+        return digest({"config": config_identity(self.model.config), "weights": weights})
 
     @classmethod
     def load(
