@@ -231,3 +231,38 @@ def test_a_killed_capture_is_removed_by_the_next_capture_of_its_entry(target, tm
     for file in clean.iterdir():
         assert (entry / file.name).read_bytes() == file.read_bytes(), file.name
     read_all(OfflineDataset(tokens, entry, store_fingerprint(target, [2, 1], torch.float32, False)))
+
+
+def test_an_engine_capture_stores_token_ids_and_digests_and_removes_a_killed_in_process_capture(
+    target, tokens, tmp_path, monkeypatch
+):
+    """Engine captures write through the same ShardWriter: shard digests and token ids are recorded
+    there too; the partial store of a killed in-process capture of the entry (say, out of memory,
+    before switching to a feature_endpoint) is removed. The server is replaced by the tiny target."""
+    from trainer.data import engine_features
+    from trainer.data.endpoint import EndpointSettings
+
+    async def capture_through_engine(*arguments):
+        writer = next(argument for argument in arguments if isinstance(argument, ShardWriter))
+        for row in next(argument for argument in arguments if isinstance(argument, list)):
+            ids = tokens[row]["input_ids"]
+            hidden = target.capture(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [2, 1])
+            writer.add(row, hidden[0], token_ids=ids)
+
+    monkeypatch.setattr(engine_features, "_capture_through_engine", capture_through_engine)
+    entry = feature_store_path(target, tokens, [2, 1], tmp_path)
+    leftover = entry.with_name(f".{entry.name}.k1lled00")
+    leftover.mkdir(parents=True)
+    (leftover / "shard-00000.safetensors").write_bytes(b"partial")
+    (tmp_path / "storage").mkdir()
+    settings = engine_features.FeatureEndpointSettings(
+        EndpointSettings(url="http://127.0.0.1:9/v1", keys="feature"), storage=tmp_path / "storage"
+    )
+    path = engine_features.prepare_engine_features(settings, target, tokens, [2, 1], tmp_path, shard_samples=2)
+    assert path == entry and not leftover.exists()
+    index = json.loads((path / FEATURE_INDEX).read_text())
+    assert [shard["sha256"] for shard in index["shards"]] == [
+        file_sha256(path / shard["file"]) for shard in index["shards"]
+    ]
+    assert torch.equal(load_file(path / "shard-00001.safetensors")["tokens_3"], torch.tensor(tokens[3]["input_ids"]))
+    read_all(OfflineDataset(tokens, path, store_fingerprint(target, [2, 1], torch.float32, False)))
