@@ -199,6 +199,7 @@ def recipe_keys(**keys):
         "feature_timeout": 600.0,
         "feature_max_retries": 8,
         "feature_file_timeout": 120.0,
+        "feature_storage_path": "/shared/hidden-states",
     }
     return SimpleNamespace(**{**defaults, **keys})
 

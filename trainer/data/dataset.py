@@ -8,6 +8,7 @@ the draft is trained to predict); offline datasets add `target_hidden`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import datasets
 import pyarrow
 import pyarrow.parquet
 import torch
+from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
 from trainer.data.chat import tokenize_chat
@@ -337,6 +339,62 @@ def load_data_file(path: Path, name: str) -> datasets.Dataset:
         return datasets.load_dataset(kind, data_files=str(path), split="train")
     except StopIteration as error:  # datasets' JSON reader on a file that yields no table
         raise ValueError(f"dataset {name} has no rows") from error
+    except (DatasetGenerationError, pyarrow.ArrowException) as error:
+        raise ValueError(data_file_problem(path, name, kind, error)) from None
+
+
+def data_file_problem(path: Path, name: str, kind: str, error: BaseException) -> str:
+    """One line on why `datasets` (pyarrow) could not read the data file `path`: its own message
+    says neither file nor line (and its row numbers count from the start of a 10 MB block), so a
+    JSON file's first line Python cannot parse, or whose field changes type, is looked up here."""
+    cause = error.__cause__ or error.__context__ or error
+    reason = " ".join(str(cause).split())[:300] or type(cause).__name__
+    if kind == "parquet":
+        return f"dataset {name} is not a readable Parquet file: {reason}"
+    located = json_file_problem(path)
+    if located:
+        return f"dataset {name}: {located}"
+    return f"dataset {name} cannot be read as JSON ({reason})"
+
+
+JSON_KINDS = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+def json_file_problem(path: Path) -> str | None:
+    """Where a JSON / JSONL file goes wrong for a columnar reader, as "line N: ...": the first line
+    that is not JSON (the whole file as one document when it is an array or object spread over
+    lines), or the first row whose top-level field has another JSON type than on an earlier row.
+    None when neither is found."""
+    with path.open("rb") as file:
+        head = file.read(4096).lstrip(UTF8_BOM + JSON_WHITESPACE)
+    if head.startswith(b"["):
+        try:
+            json.loads(path.read_bytes().decode("utf-8-sig"))
+        except ValueError as error:
+            if isinstance(error, json.JSONDecodeError):
+                return f"line {error.lineno} is not valid JSON ({error.msg} at column {error.colno})"
+            return f"not valid JSON ({error})"
+        return None
+    first_kind: dict[str, tuple[str, int]] = {}
+    with path.open("rb") as file:
+        for number, line in enumerate(file, start=1):
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8").strip()
+            if not text:
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                return f"line {number} is not valid JSON ({error.msg} at column {error.colno})"
+            if not isinstance(row, dict):
+                continue
+            for field, value in row.items():
+                kind = JSON_KINDS.get(type(value))
+                if kind is None:  # null: compatible with every type
+                    continue
+                seen = first_kind.setdefault(field, (kind, number))
+                if seen[0] != kind:
+                    return f"line {number}: field {field!r} is {kind}, but {seen[0]} on line {seen[1]}"
+    return None
 
 
 def load_raw_dataset(spec: str, split: str) -> datasets.Dataset:
@@ -410,7 +468,7 @@ def feature_endpoint_settings(args) -> FeatureEndpointSettings | None:
         max_retries=args.feature_max_retries,
         keys="feature",
     )
-    return FeatureEndpointSettings(endpoint, file_timeout=args.feature_file_timeout)
+    return FeatureEndpointSettings(endpoint, file_timeout=args.feature_file_timeout, storage=args.feature_storage_path)
 
 
 def cache_root_of(args) -> Path:

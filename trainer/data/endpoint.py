@@ -10,6 +10,11 @@ with exponential backoff, and refuses an endpoint whose model does not tokenize 
 body that is not the API's (an HTML page, no `choices`, a null `message`) is an error naming the URL
 and what was wrong, never a traceback.
 
+A call, its retries included, has a deadline the recipe fixes (`EndpointSettings.deadline`: every
+attempt's `timeout` and the backoff schedule between them): a server's `Retry-After` is honoured
+only when the wait and one more attempt fit in what is left of it, else the call ends at once with
+one line, so no server can hold a run longer than its settings say.
+
 The answer's text is turned back into the target's token ids with the target's own tokenizer; when
 the server stopped on the end of the turn, the template's end-of-turn token closes the answer, as
 `generate` would have produced it.
@@ -18,9 +23,12 @@ the server stopped on the end of the turn, the template's end-of-turn token clos
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +49,11 @@ API_KEY_VARIABLE = "DFLASH2_ENDPOINT_API_KEY"
 class EndpointError(ConnectionError):
     """The endpoint cannot be used: unreachable, the wrong model, or failing past the retries (an
     OSError, so the scripts report it in one line)."""
+
+
+class EndpointUnreachable(EndpointError):
+    """A call failed past its retries or its deadline (no connection, timeouts, busy statuses): the
+    server said nothing about what it serves."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,16 @@ class EndpointSettings:
             raise ValueError(f"{self.key('timeout')} must be > 0 seconds (got {self.timeout})")
         if self.max_retries < 0:
             raise ValueError(f"{self.key('max_retries')} must be >= 0 (got {self.max_retries})")
+
+    def backoff_delay(self, attempt: int) -> float:
+        """Seconds before retry `attempt + 1`: `backoff` doubled each time, up to `max_backoff`."""
+        return min(self.backoff * 2**attempt, self.max_backoff)
+
+    @property
+    def deadline(self) -> float:
+        """Seconds one call may take with its retries: every attempt's `timeout` and the backoff
+        schedule between them (a longer Retry-After must fit in it)."""
+        return self.timeout * (self.max_retries + 1) + sum(self.backoff_delay(i) for i in range(self.max_retries))
 
 
 @dataclass(frozen=True)
@@ -103,39 +126,56 @@ class EndpointClient:
         await self._client.aclose()
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> httpx.Response:
-        """One call, retried on RETRY_STATUSES and transport failures; other statuses are returned."""
+        """One call, retried on RETRY_STATUSES and transport failures; other statuses are returned.
+        The call ends by `settings.deadline` (the wait for a free slot aside): each attempt counts
+        at most `timeout`, each wait its length, and a wait that leaves no room for a whole attempt
+        more (a long Retry-After) ends the call at once."""
+        settings = self.settings
         url = f"{self.base}{path}"
-        attempt = 0
+        attempt, spent = 0, 0.0  # seconds of this call's deadline used
         while True:
             try:
-                async with self._slots:  # the deadline starts once a slot is free
-                    response = await asyncio.wait_for(
-                        self._client.request(method, url, json=payload), self.settings.timeout
-                    )
+                async with self._slots:  # the deadline runs once a slot is free
+                    began = time.monotonic()
+                    try:
+                        response = await asyncio.wait_for(
+                            self._client.request(method, url, json=payload), settings.timeout
+                        )
+                    finally:
+                        spent += min(time.monotonic() - began, settings.timeout)
                 if response.status_code not in RETRY_STATUSES:
                     return response
-                problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                retry_after = response.headers.get("retry-after")
+                problem = f"HTTP {response.status_code}: {response.text[:200]!r}"
+                retry_after = retry_after_seconds(response.headers.get("retry-after"))
             except (TimeoutError, httpx.TimeoutException) as error:
                 kind = f", {type(error).__name__}" if isinstance(error, httpx.TimeoutException) else ""
-                problem = f"no whole answer within {self.settings.key('timeout')}={self.settings.timeout:g} s{kind}"
+                problem = f"no whole answer within {settings.key('timeout')}={settings.timeout:g} s{kind}"
                 retry_after = None
             except httpx.TransportError as error:
                 problem, retry_after = f"{type(error).__name__}: {error}", None
-            if attempt >= self.settings.max_retries:
-                raise EndpointError(f"{url}: still failing after {attempt + 1} attempts ({problem})")
-            delay = min(self.settings.backoff * 2**attempt, self.settings.max_backoff)
-            if retry_after and retry_after.replace(".", "", 1).isdigit():
-                delay = max(delay, float(retry_after))
+            failing = f"{url}: still failing after {attempt + 1} attempts ({problem})"
+            if attempt >= settings.max_retries:
+                raise EndpointUnreachable(failing)
+            delay = settings.backoff_delay(attempt)
+            if retry_after is not None and retry_after > delay:
+                delay = retry_after
+                if spent + delay + settings.timeout > settings.deadline:
+                    raise EndpointUnreachable(
+                        f"{failing}; it asks to retry after {retry_after:g} s, past this call's deadline of "
+                        f"{settings.deadline:g} s ({settings.key('timeout')} per attempt and the backoff between "
+                        f"{settings.max_retries + 1} attempts): rerun once the server is free"
+                    )
             logger.debug("%s failed (%s); retry %d in %.2f s", url, problem, attempt + 1, delay)
             await asyncio.sleep(delay)
+            spent += delay
             attempt += 1
 
-    async def served_models(self) -> list[str]:
+    async def served_models(self) -> list[dict[str, Any]]:
+        """GET /models: the entries the server lists (each with a string `id`)."""
         try:
             response = await self._request("GET", "/models")
-        except EndpointError as error:
-            raise EndpointError(f"{self.name} {self.base} cannot be reached: {error}") from None
+        except EndpointUnreachable as error:
+            raise EndpointUnreachable(f"{self.name} {self.base} cannot be reached: {error}") from None
         if response.status_code != 200:
             raise EndpointError(
                 f"{self.name} {self.base}: GET /models answered HTTP {response.status_code} "
@@ -150,13 +190,14 @@ class EndpointClient:
                 f"{self.name} {self.base}: GET /models answered a malformed body (expected "
                 f'{{"data": [{{"id": "<model>"}}, ...]}}): {response.text[:100]!r}'
             )
-        return [entry["id"] for entry in entries]
+        return entries
 
-    async def checked_model(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> str:
-        """The served model to ask, after checking that it is the target: the server must template
-        and tokenize the probe conversation into exactly `prompt_ids` tokens (the target's tokenizer
-        and chat template), and, where the server has vLLM's and SGLang's /tokenize, into the same ids."""
-        served = await self.served_models()
+    async def served_model(self) -> dict[str, str | None]:
+        """Which model answers, as the server reports it: `id` (the served name: `model`, or the
+        one model served) and `root` (vLLM's and SGLang's path or Hub id of the weights, None when
+        not reported). What the server serves, not what the recipe calls it, keys cached answers."""
+        entries = await self.served_models()
+        served = [entry["id"] for entry in entries]
         if self.model is None:
             if len(served) != 1:
                 raise EndpointError(
@@ -169,6 +210,14 @@ class EndpointClient:
                 f"{self.settings.key('model')} {self.model!r} is not served by {self.base} "
                 f"(it serves: {', '.join(served) or 'none'})"
             )
+        root = next(entry.get("root") for entry in entries if entry["id"] == self.model)
+        return {"id": self.model, "root": root if isinstance(root, str) else None}
+
+    async def checked_model(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> str:
+        """The served model to ask, after checking that it is the target: the server must template
+        and tokenize the probe conversation into exactly `prompt_ids` tokens (the target's tokenizer
+        and chat template), and, where the server has vLLM's and SGLang's /tokenize, into the same ids."""
+        await self.served_model()
         try:
             answer = await self._complete(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
         except EndpointRefusal as refusal:
@@ -284,6 +333,23 @@ async def run_workers(worker: Callable[[], Awaitable[None]], count: int) -> None
     failures = [failure for failure in failures if not isinstance(failure, asyncio.CancelledError)] or failures
     if failures:
         raise failures[0]
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header's delay in seconds (RFC 9110: a number of seconds or an HTTP date), or
+    None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.replace(".", "", 1).isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
 
 
 def json_body(response: httpx.Response, url: str) -> Any:

@@ -11,6 +11,11 @@ machine or a shared filesystem) and stores the features exactly as in-process ca
 same store layout, index, statistics and cache entry, so `train.py` finds the store under the
 same key.
 
+Nothing a server names is trusted: the recipe names the folder the server writes to
+(`feature_storage_path`), and a file is read and removed only when the reply names a
+`.safetensors` file directly in it (paths resolved) and it is a regular file (never through a
+symbolic link, never a FIFO or device that would block); any other reply is one error line.
+
 vLLM's layer ids are the draft's `target_layer_ids` + 1 (the input of layer id + 1 is the output
 of layer id, i.e. transformers' `hidden_states[id + 1]`), sorted and de-duplicated; the store keeps
 the draft's order. Two things vLLM cannot give are refused in one line: the last layer (vLLM
@@ -28,11 +33,12 @@ only the unfinished shard asked again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +48,7 @@ from typing import Any
 import datasets
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 from tqdm.auto import tqdm
 
 from trainer.data.chat import render, template_kwargs
@@ -58,6 +64,7 @@ from trainer.data.feature_store import (
     FEATURE_INDEX,
     ShardWriter,
     feature_store_path,
+    remove_interrupted_captures,
     store_fingerprint,
 )
 from trainer.fileio import check_safetensors_file, fsync_path, reporting_disk_full, write_file_atomically
@@ -71,18 +78,29 @@ NUDGE_AFTER = 0.25  # seconds a file may be late before the server is asked to t
 NUDGE_INTERVAL = 0.25  # seconds between nudges
 POLL_INTERVAL = 0.02
 ENGINE_SHARD_SAMPLES = 64  # samples per shard: what a killed capture asks again at most
+ENGINE_FILE_SUFFIX = ".safetensors"  # vLLM's hidden-states connector writes <storage>/<request id>.safetensors
+HEADER_BYTES = 1 << 20  # room for a file's safetensors header beyond its tensors' bytes
+SHOWN_PATH = 200  # characters of a server-named path quoted in a message
 
 
 @dataclass(frozen=True)
 class FeatureEndpointSettings:
-    """Where and how to ask: the connection settings, and how long a finished request's file may take."""
+    """Where and how to ask: the connection settings, how long a finished request's file may take,
+    and the folder the server writes its files to (`feature_storage_path`: its shared_storage_path
+    as seen here), the only place whose files the client reads or removes."""
 
     endpoint: EndpointSettings
     file_timeout: float = 120.0
+    storage: str | os.PathLike | None = None
 
     def __post_init__(self):
         if not self.file_timeout > 0:
             raise ValueError(f"feature_file_timeout must be > 0 seconds (got {self.file_timeout})")
+        if not self.storage:
+            raise ValueError(
+                "feature_endpoint needs feature_storage_path: the folder the server writes its hidden-state "
+                "files to (the shared_storage_path of its --kv-transfer-config), as seen from this machine"
+            )
 
 
 def engine_layer_ids(layer_ids: Sequence[int]) -> list[int]:
@@ -161,6 +179,7 @@ def prepare_engine_features(
         if (path / FEATURE_INDEX).exists():
             logger.info("Reusing offline target features from %s (captured by another process)", path)
             return path
+        remove_interrupted_captures(path)  # an in-process capture of this entry that was killed
         staging = path.with_name(path.name + ".partial")
         staging.mkdir(parents=True, exist_ok=True)
         shards = _recovered_shards(staging)
@@ -231,12 +250,80 @@ def _recovered_shards(staging: Path) -> list[dict[str, Any]]:
     return shards
 
 
+class EngineStorage:
+    """The folder the server writes to (`feature_storage_path`), resolved once: a file a reply names
+    is used only when it is a `.safetensors` name directly in it."""
+
+    def __init__(self, folder: str | os.PathLike, name: str):
+        self.folder, self.name = os.path.realpath(folder), name
+        if not os.path.isdir(self.folder):
+            raise EndpointError(
+                f"feature_storage_path {os.fspath(folder)} is not a folder on this machine: set it to the "
+                "server's shared_storage_path as seen here (same machine or a shared filesystem)"
+            )
+
+    def file_named(self, body: dict[str, Any]) -> str:
+        """The path of the hidden-state file a reply names (`kv_transfer_params.hidden_states_path`),
+        once it is a .safetensors file directly in the folder; any other reply is an EndpointError."""
+        params = body.get("kv_transfer_params")
+        named = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if not isinstance(named, str) or not named:
+            raise EndpointError(
+                f"{self.name} answered without kv_transfer_params.hidden_states_path: serve the target with "
+                "--speculative-config method extract_hidden_states and a hidden-states --kv-transfer-config "
+                "(see docs/your-own-target.md)"
+            )
+        try:
+            inside = (
+                os.path.isabs(named)
+                and os.path.basename(named).endswith(ENGINE_FILE_SUFFIX)
+                and os.path.realpath(os.path.dirname(named)) == self.folder
+            )
+        except ValueError:  # an embedded NUL byte
+            inside = False
+        if not inside:
+            raise EndpointError(
+                f"{self.name} named the hidden-state file {named[:SHOWN_PATH]!r}, which is not a {ENGINE_FILE_SUFFIX} "
+                f"file directly in feature_storage_path {self.folder}: it is neither read nor removed (set "
+                "feature_storage_path to the folder the server writes, its shared_storage_path)"
+            )
+        return os.path.join(self.folder, os.path.basename(named))
+
+
+class NotRegularFileError(EndpointError):
+    """A server's file (or its lock) that is a symbolic link, a folder, a FIFO or a device."""
+
+
+def _open_regular(path: str) -> int | None:
+    """A read descriptor of `path` when it is a regular file, None when it does not exist; anything
+    else is a NotRegularFileError. Never follows a symbolic link and never blocks on a FIFO."""
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(kind):
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.ENXIO):
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(descriptor).st_mode):  # still the file checked (not swapped meanwhile)
+                return descriptor
+            os.close(descriptor)
+        kind = os.lstat(path).st_mode
+    what = "a symbolic link" if stat.S_ISLNK(kind) else "a folder" if stat.S_ISDIR(kind) else "a special file"
+    raise NotRegularFileError(f"{path} is {what}, not a regular file: the client reads and removes only regular files")
+
+
 class _Nudger:
     """Makes an idle server take a step (a one-token request), so a finished request's file is
     written; at most one nudge in flight, at most one per NUDGE_INTERVAL."""
 
-    def __init__(self, client: EndpointClient, prompt: list[int]):
-        self.client, self.prompt = client, prompt
+    def __init__(self, client: EndpointClient, prompt: list[int], storage: EngineStorage):
+        self.client, self.prompt, self.storage = client, prompt, storage
         self.files: list[str] = []  # the nudges' own hidden-state files, removed at the end
         self._lock = asyncio.Lock()
         self._last = 0.0
@@ -249,74 +336,112 @@ class _Nudger:
                 return
             body = await self.client.completion_of_ids(self.prompt, max_tokens=1)
             self._last = time.monotonic()
-            self.files.append(hidden_states_path(body, self.client.name))
+            self.files.append(self.storage.file_named(body))
 
     def remove_files(self) -> None:
         """Remove the nudges' files that are written (the last one is written at the server's next step)."""
         for path in self.files:
-            if _try_read_lock(path + ".lock"):
+            if _lock_state(path) == "released":
                 remove_hidden_states(path)
 
 
-def hidden_states_path(body: dict[str, Any], name: str) -> str:
-    params = body.get("kv_transfer_params")
-    path = params.get("hidden_states_path") if isinstance(params, dict) else None
-    if not isinstance(path, str) or not path:
-        raise EndpointError(
-            f"{name} answered without kv_transfer_params.hidden_states_path: serve the target with "
-            "--speculative-config method extract_hidden_states and a hidden-states --kv-transfer-config "
-            "(see docs/your-own-target.md)"
-        )
-    return path
-
-
-def _try_read_lock(lock_path: str) -> bool:
-    """Whether the server's writer has released the file's lock (it holds it while writing)."""
-    try:
-        descriptor = os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+def _lock_state(path: str) -> str:
+    """The server's lock on the file at `path` (`path.lock`, held while it writes): "held",
+    "released" or "missing"."""
+    descriptor = _open_regular(path + ".lock")
+    if descriptor is None:
+        return "missing"
     try:
         fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return True
+        return "released"
     except BlockingIOError:
-        return False
+        return "held"
     finally:
         os.close(descriptor)
 
 
 def remove_hidden_states(path: str) -> None:
+    """Remove a consumed file and its lock: only regular files (a link or folder a server put
+    there under that name is left alone)."""
     for leftover in (path, path + ".lock"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(leftover)
+        try:
+            if stat.S_ISREG(os.lstat(leftover).st_mode):
+                os.unlink(leftover)
+        except FileNotFoundError:
+            pass
 
 
-async def read_hidden_states(path: str, timeout: float, nudger: _Nudger, name: str) -> dict[str, torch.Tensor]:
-    """The server's file at `path` once it is whole: its lock is free and it parses (safetensors:
-    tensors only, never pickles). Nudges an idle server; gives up after `timeout` seconds."""
+def _load_regular(path: str, max_bytes: int | None) -> dict[str, torch.Tensor] | None:
+    """The tensors of the regular file at `path` (safetensors: tensors only, never pickles), None
+    when it does not exist; a file over `max_bytes` is an error (never read into memory)."""
+    descriptor = _open_regular(path)
+    if descriptor is None:
+        return None
+    with os.fdopen(descriptor, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise EndpointError(
+                f"{path} holds {size} bytes, more than the {max_bytes} its request's hidden states can take"
+            )
+        return load(file.read())
+
+
+def _waiting_for(path: str) -> str:
+    """What is true of a file that has not come: still locked, released but missing, or neither
+    (the folder is not the server's)."""
+    lock = _lock_state(path)
+    exists = _open_regular(path) is not None
+    if exists and lock == "missing":
+        return (
+            "it exists but has no lock file, so it is never known to be whole: keep the connector's "
+            "use_synchronization_lock on"
+        )
+    if lock == "held":
+        if exists:
+            return "it exists but is still locked by the server"
+        return "it does not exist yet, and its lock file is still locked by the server"
+    if lock == "released":
+        return "its lock is released but the file does not exist: the server did not write it"
+    return (
+        "neither it nor its lock file exists on this machine: prepare must see the server's "
+        "shared_storage_path at the same path (feature_storage_path; same machine or a shared filesystem)"
+    )
+
+
+async def read_hidden_states(
+    path: str, timeout: float, nudger: _Nudger, name: str, max_bytes: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The server's regular file at `path` once it is whole: its lock is free and it parses. Nudges
+    an idle server; gives up `timeout` seconds after the call, the nudges' own requests included,
+    with one line saying what is true of the file (missing, still locked, not a regular file)."""
+    deadline = time.monotonic() + timeout
     started = time.monotonic()
     while True:
-        waited = time.monotonic() - started
-        if _try_read_lock(path + ".lock") and os.path.exists(path):
+        try:
+            tensors = _load_regular(path, max_bytes) if _lock_state(path) == "released" else None
+        except NotRegularFileError as error:
+            raise EndpointError(f"{name}: the hidden-state file {error}") from None
+        except (SafetensorError, OSError) as error:
+            if time.monotonic() >= deadline:
+                raise EndpointError(f"{name}: the hidden-state file {path} is not readable ({error})") from None
+            tensors = None
+        if tensors is not None:
+            return tensors
+        if time.monotonic() >= deadline:
             try:
-                return load_file(path)
-            except (SafetensorError, OSError) as error:
-                if waited > timeout:
-                    raise EndpointError(f"{name}: the hidden-state file {path} is not readable ({error})") from None
-        elif waited > timeout:
-            where = (
-                "it exists but is still locked by the server"
-                if os.path.exists(path + ".lock")
-                else "neither it nor its lock file exists on this machine: prepare must see the server's "
-                "shared_storage_path at the same path (same machine or a shared filesystem)"
-            )
+                where = _waiting_for(path)
+            except NotRegularFileError as error:
+                raise EndpointError(f"{name}: the hidden-state file {error}") from None
             raise EndpointError(
                 f"{name}: the hidden-state file {path} was not written within feature_file_timeout={timeout:g} s "
                 f"({where})"
             )
-        if waited > NUDGE_AFTER:
-            await nudger.nudge()
-        await asyncio.sleep(POLL_INTERVAL)
+        if time.monotonic() - started > NUDGE_AFTER:
+            try:
+                await asyncio.wait_for(nudger.nudge(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                continue  # the deadline has come: say what is true of the file
+        await asyncio.sleep(min(POLL_INTERVAL, max(deadline - time.monotonic(), 0.0)))
 
 
 def engine_features(
@@ -359,8 +484,9 @@ async def _capture_through_engine(
     total = len(dataset)
     async with EndpointClient(settings.endpoint) as client:
         await client.checked_model(tokenizer, render(tokenizer, PROBE_MESSAGES, True, template_kwargs(tokenizer, None)))
-        nudger = _Nudger(client, tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0])
-        nudger.files.append(hidden_states_path(client.probe_reply, client.name))  # the probe's own file
+        storage = EngineStorage(settings.storage, client.name)  # after the probe: the server has made it
+        nudger = _Nudger(client, tokenizer.encode("Hi", add_special_tokens=False)[:1] or [0], storage)
+        nudger.files.append(storage.file_named(client.probe_reply))  # the probe's own file
         progress = tqdm(
             total=total, initial=total - len(rows), desc=f"capturing target hidden states through {client.base}"
         )
@@ -374,8 +500,9 @@ async def _capture_through_engine(
                     f"{client.name} refused sample {row} ({len(ids)} tokens): {refusal} (start the server with "
                     "--max-model-len above the recipe's max_length)"
                 ) from None
-            path = hidden_states_path(body, client.name)
-            tensors = await read_hidden_states(path, settings.file_timeout, nudger, client.name)
+            path = storage.file_named(body)
+            limit = len(ids) * (len(aux) * target.hidden_size + 1) * 8 + HEADER_BYTES  # 8 bytes: float64 at most
+            tensors = await read_hidden_states(path, settings.file_timeout, nudger, client.name, limit)
             features = engine_features(tensors, ids, order, target.hidden_size, f"{client.name} file {path}")
             writer.add(row, features.to(dtype), token_ids=ids)
             remove_hidden_states(path)

@@ -21,6 +21,7 @@ conversation through the chat template (`tokenize_chat`), every answer supervise
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,10 +43,11 @@ from trainer.data.endpoint import (
     EndpointError,
     EndpointRefusal,
     EndpointSettings,
+    EndpointUnreachable,
     run_workers,
 )
 from trainer.data.response_journal import SKIP_EMPTY, SKIP_REFUSED, SKIP_TOO_LONG, ResponseJournal
-from trainer.fileio import digest, reporting_disk_full, write_directory_atomically
+from trainer.fileio import digest, reporting_disk_full, write_directory_atomically, write_file_atomically
 from trainer.locks import lock_cache_entry
 from trainer.models.target import FrozenTarget, TargetTokenizer
 
@@ -367,10 +369,11 @@ def regenerate(
 
     `input_ids` / `loss_mask` (1 on the target's answers), `prompt` and `response` (the last
     answer's text). Cached under a key of the target, the conversations, the settings, the chat
-    template and, through an endpoint, the served model's name (not its URL); a finished result is
-    reused as is, an interrupted one resumed. `conversations` is any indexable sequence (a
-    dataset's rows are read one at a time). `name` says which dataset an error is about. Through
-    an endpoint the target's tokenizer is enough (`TargetTokenizer`).
+    template and, through an endpoint, the served model as the server reports it (not its URL:
+    `_endpoint_entry`); a finished result is reused as is, an interrupted one resumed.
+    `conversations` is any indexable sequence (a dataset's rows are read one at a time). `name`
+    says which dataset an error is about. Through an endpoint the target's tokenizer is enough
+    (`TargetTokenizer`).
     """
     if endpoint is None and target.model is None:
         raise ValueError(
@@ -383,19 +386,80 @@ def regenerate(
         "settings": asdict(settings),
         "template": tokenizer.chat_template,
     }
-    if endpoint is not None:  # batching is the server's; the served name stands for the weights
+    served_record = None
+    if endpoint is None:
+        path = cache_root / "generated" / digest(key_parts)
+    else:  # batching is the server's
         key_parts["settings"].pop("batch_size")
-        key_parts["endpoint_model"] = endpoint.model
-    path = cache_root / "generated" / digest(key_parts)
-    if (path / "dataset_info.json").exists():
+        path, endpoint, served_record = _endpoint_entry(cache_root / "generated", key_parts, endpoint)
+    if not (path / "dataset_info.json").exists():
+        with lock_cache_entry(path, "regeneration cache entry"):
+            if not (path / "dataset_info.json").exists():  # else finished by the holder we waited for
+                _regenerate_entry(path, target, conversations, settings, name, endpoint)
+    else:
         logger.info("Reusing %d target-generated responses from %s", len(conversations), path)
-        return datasets.load_from_disk(str(path))
-    with lock_cache_entry(path, "regeneration cache entry"):
-        if (path / "dataset_info.json").exists():  # finished by the holder we waited for
-            logger.info("Reusing %d target-generated responses from %s", len(conversations), path)
-            return datasets.load_from_disk(str(path))
-        _regenerate_entry(path, target, conversations, settings, name, endpoint)
+    if served_record is not None:
+        served_record()
     return datasets.load_from_disk(str(path))
+
+
+SERVED_SUFFIX = ".served.json"  # beside the entries: which entry the endpoint's model last filled
+
+
+def _endpoint_entry(generated: Path, key_parts: dict[str, Any], endpoint: EndpointSettings):
+    """(entry, settings asking exactly the keyed model, a callback recording the entry as the last
+    one of these key parts, or None) for answers through `endpoint`.
+
+    The key holds the served model as the server reports it (`served_model`: its name and the root
+    of its weights), not the recipe's optional `regenerate_model`, so a server switched to another
+    model never reuses the first one's answers. One quick look (no retries) asks; when the server
+    cannot be reached and an entry of these key parts was finished before, that entry is reused
+    with a warning (training after `prepare --regenerate-only`: the server may be gone). Otherwise
+    the look is retried as every call is, so a restarting server is waited for."""
+    base = digest(key_parts)
+    record = generated / f"{base}{SERVED_SUFFIX}"
+    try:
+        served = asyncio.run(_served_model(dataclasses.replace(endpoint, max_retries=0)))
+    except EndpointUnreachable as error:
+        last = _last_served(record)
+        if last is not None and (generated / last["entry"] / "dataset_info.json").exists():
+            logger.warning(
+                "%s; reusing the answers served model %r (weights %s) gave for these prompts and settings",
+                error,
+                last["served_model"].get("id"),
+                last["served_model"].get("root") or "not reported",
+            )
+            return generated / last["entry"], endpoint, None
+        served = asyncio.run(_served_model(endpoint))
+    path = generated / digest({**key_parts, "served_model": served})
+
+    def remember() -> None:
+        entry = {"entry": path.name, "served_model": served}
+        if _last_served(record) != entry:
+            write_file_atomically(record, lambda temporary: temporary.write_text(json.dumps(entry)))
+
+    return path, dataclasses.replace(endpoint, model=served["id"]), remember
+
+
+async def _served_model(endpoint: EndpointSettings) -> dict[str, str | None]:
+    async with EndpointClient(endpoint) as client:
+        return await client.served_model()
+
+
+def _last_served(record: Path) -> dict[str, Any] | None:
+    """The record of the entry last filled for these key parts, or None (absent or unreadable:
+    it only saves a look at a server that is gone)."""
+    try:
+        entry = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    if not (
+        isinstance(entry, dict) and isinstance(entry.get("entry"), str) and isinstance(entry.get("served_model"), dict)
+    ):
+        return None
+    if not entry["entry"] or "/" in entry["entry"] or entry["entry"].startswith("."):
+        return None
+    return entry
 
 
 def _regenerate_entry(path: Path, target, conversations, settings: GenerationSettings, name: str, endpoint) -> None:

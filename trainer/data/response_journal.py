@@ -2,7 +2,8 @@
 
 Regenerating 100k-1M conversations takes hours; a crash, a preemption or `kill -9` must not cost
 the answers already paid for. Each finished conversation is appended as one JSON line and synced
-to disk before the next is taken; a rerun reads the journal back and answers only the rest.
+to disk before the next is taken (an append cut short, by a full disk or Ctrl-C, is cut back off
+the file); a rerun reads the journal back and answers only the rest.
 Records are plain JSON, never pickles.
 
 Recovery keeps every valid record and drops only the invalid ones, each checked on its own: a torn
@@ -188,8 +189,8 @@ class ResponseJournal:
             try:
                 write_record(self._descriptor, (json.dumps(record, ensure_ascii=False) + "\n").encode())
                 os.fsync(self._descriptor)
-            except OSError:
-                with contextlib.suppress(OSError):  # no half record left for the next append to follow
+            except BaseException:  # a full disk, or Ctrl-C between two writes of one record
+                with contextlib.suppress(OSError):  # no half record left for the next append or run to follow
                     os.ftruncate(self._descriptor, offset)
                 raise
         self.offsets[row] = offset
