@@ -363,6 +363,9 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+_SKIPS_SAID: set[tuple[str, str]] = set()
+
+
 def newest_complete_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose manifest checks out; every newer one skipped is logged with why."""
     for candidate in reversed(list_checkpoints(run_dir)):
@@ -370,7 +373,10 @@ def newest_complete_checkpoint(run_dir: Path) -> Path | None:
         if not problems:
             return candidate
         kind = "damaged" if any("damaged" in problem for problem in problems) else "incomplete"
-        logger.warning("Skipping %s checkpoint %s: %s", kind, candidate, "; ".join(problems))
+        said = (str(candidate), "; ".join(problems))
+        if said not in _SKIPS_SAID:  # asked again (a save's message names the last good one): said once
+            _SKIPS_SAID.add(said)
+            logger.warning("Skipping %s checkpoint %s: %s", kind, *said)
     return None
 
 
