@@ -3,7 +3,8 @@
 dflash2 publish FOLDER REPO_ID [--private] [--commit-message MSG] [--revision R]
 
 FOLDER: a folder written by `dflash2 export` (or `export_draft`), e.g. after its --push-to-hub
-failed. It is re-validated against the public checkpoint contract before the Hub is contacted.
+failed. It is re-validated against the public checkpoint contract before the Hub is contacted, and
+only what export wrote is uploaded: no links, modeling files as this version ships them.
 A failed push leaves no partial revision: run the same command again.
 """
 
