@@ -278,3 +278,15 @@ def test_a_record_from_before_content_fingerprints_does_not_refuse_the_target(tm
     (tmp_path / RECIPE_FILE).write_text(json.dumps(recipe_record()))
     with pytest.raises(ValueError, match="the run changed target v2-abc → v2-other"):
         check_unchanged(tmp_path, moved)
+
+
+def test_a_malformed_safetensors_index_is_named_with_line_and_column(tmp_path):
+    from trainer.fileio import check_checkpoint_weights
+
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {\n "a": "x.safetensors",\n}}')
+    with pytest.raises(DamagedFileError) as caught:
+        check_checkpoint_weights(tmp_path)
+    assert str(caught.value) == (
+        f"{tmp_path / 'model.safetensors.index.json'} is not valid JSON "
+        "(line 3, column 1: Expecting property name enclosed in double quotes)"
+    )

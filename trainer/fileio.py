@@ -368,9 +368,10 @@ def check_checkpoint_weights(directory: str | os.PathLike) -> None:
     if not files and not index.is_file():
         refuse_pickle_only_weights(directory)
     if index.is_file():
+        content = read_json(index, None, dict)  # a damaged index is named with its line and column
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            shards = set(content["weight_map"].values())
+        except (KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"{index} is truncated or corrupt: no valid weight_map") from error
         files.extend(directory / shard for shard in sorted(shards))
     for file in files:
