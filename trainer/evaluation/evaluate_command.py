@@ -14,6 +14,8 @@ speculative_report.{json,png,md} (the report, its plot, and the Markdown table t
 embeds) into --output; by default into <draft>/speculative/<benchmark> when --draft is a training
 run of this project (it holds dflash2_recipe.json or trainer_state.json), else into
 outputs/evaluate/<draft name>/<benchmark>: an exported or downloaded draft folder is never written to.
+A report records its draft (name and a digest of its path): another draft's report is never replaced
+(--output on one is refused; a default folder holding one gives way to outputs/evaluate/<name>-<digest>).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from trainer.evaluation.prompt_sets import (
     select_prompts,
 )
 from trainer.evaluation.report import (
+    REPORT_DRAFT_KEY,
+    check_report_path,
     default_report_folder,
     evaluate_paths,
     plot_report,
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
     texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once
+    output = Path(args.output) if args.output else default_report_folder(args.draft, args.benchmark_name)
+    draft = check_report_path(report_file(output, "json"), args.draft)  # another draft's report is never replaced
 
     target = FrozenTarget.load(args.target, args.target_gguf_file)
     trained = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
@@ -134,12 +140,16 @@ def main(argv: list[str] | None = None) -> dict:
         top_p=args.top_p,
         top_k=args.top_k,
     )
-    report = {"benchmark": args.benchmark_name, "skipped_for_length": selection.skipped_for_length, **decoded}
+    report = {
+        "benchmark": args.benchmark_name,
+        REPORT_DRAFT_KEY: draft,
+        "skipped_for_length": selection.skipped_for_length,
+        **decoded,
+    }
     if args.benchmark_name == "heldout":  # training evaluated on the same held-out set
         teacher_forced = training_summary(args.draft)
         if teacher_forced is not None:
             report["teacher_forced"] = teacher_forced
-    output = Path(args.output) if args.output else default_report_folder(args.draft, args.benchmark_name)
     write_report(report, output)
     print_report(report, output)
     return report

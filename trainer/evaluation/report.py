@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from modeling_dflash2 import DFlashDraftModel
 from trainer.evaluation.speculative import SpeculativeResult, spec_generate, target_generate
+from trainer.fileio import digest
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ TRAINING_RUN_FILES = ("dflash2_recipe.json", "trainer_state.json")
 EVALUATE_ROOT = Path("outputs") / "evaluate"
 SUMMARY_FILE = "demo_summary.json"
 MAX_SUMMARY_BYTES = 1 << 20
+MAX_REPORT_BYTES = 64 << 20  # a tau_gap.json holds per-anchor lengths: larger than a speculative report
+REPORT_DRAFT_KEY = "draft"  # each report records the draft it measured (draft_identity)
 
 
 def is_training_run(draft: str | Path) -> bool:
@@ -176,15 +179,70 @@ def training_summary(draft: str) -> dict[str, float] | None:
     return trained
 
 
+def draft_identity(draft: str | Path) -> dict[str, str]:
+    """Which draft a report is of: its folder's name (or the Hub id) and a digest of its resolved
+    path (or the id), so two folders of one name differ; the path itself is not recorded (a report
+    travels into the export's provenance and model card)."""
+    local = Path(draft).expanduser()
+    if local.exists():
+        resolved = local.resolve()
+        return {"name": resolved.name, "digest": digest(str(resolved))}
+    return {"name": str(draft), "digest": digest(str(draft))}
+
+
+def report_owner(path: Path) -> dict[str, str] | None:
+    """The draft an existing report file records; None when it records none (written before
+    reports recorded their draft, or not a report of this project)."""
+    try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            return None
+        owner = json.loads(path.read_bytes()).get(REPORT_DRAFT_KEY)
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("digest"), str) else None
+
+
+def _reports_in(folder: Path) -> list[Path]:
+    """The report files under a draft's folder of outputs/evaluate (one per benchmark, and tau_gap.json)."""
+    if not folder.is_dir():
+        return []
+    return sorted([*folder.glob("*.json"), *folder.glob("*/*.json")])
+
+
 def default_report_folder(draft: str | Path, benchmark: str) -> Path:
     """Where a draft's reports go without --output: inside its training run, which this project
     wrote, else `outputs/evaluate/<draft name>/<benchmark>`: an exported or downloaded draft folder
-    is never written into (it stays exactly as it was published)."""
+    is never written into (it stays exactly as it was published). When that folder already holds
+    reports of another draft of the same name (or reports that name none), this draft's go to
+    `outputs/evaluate/<draft name>-<digest>/` instead: one draft's report never replaces another's."""
     if is_training_run(draft):
         return Path(draft).expanduser() / "speculative" / benchmark
-    local = Path(draft).expanduser()
-    name = local.resolve().name if local.is_dir() else str(draft).replace("/", "--")
-    return EVALUATE_ROOT / name / benchmark
+    identity = draft_identity(draft)
+    name = identity["name"].replace("/", "--")
+    folder = EVALUATE_ROOT / name
+    if any((report_owner(path) or {}).get("digest") != identity["digest"] for path in _reports_in(folder)):
+        folder = EVALUATE_ROOT / f"{name}-{identity['digest'][:8]}"
+    return folder / benchmark
+
+
+def check_report_path(path: Path, draft: str | Path) -> dict[str, str]:
+    """Refuse (one line, before any decoding) to replace a report file that another draft's
+    evaluation wrote, or one that names no draft outside this draft's own training run; returns
+    the identity to record in the new report."""
+    identity = draft_identity(draft)
+    path = Path(path)
+    if not path.exists():
+        return identity
+    owner = report_owner(path)
+    if owner is not None and owner["digest"] == identity["digest"]:
+        return identity
+    own_run = Path(draft).expanduser().resolve() if is_training_run(draft) else None
+    if owner is None and own_run is not None and path.resolve().is_relative_to(own_run):
+        return identity  # the run's own report from before reports recorded their draft
+    whose = f"the report of another draft ({owner.get('name', '?')})" if owner else "a report that names no draft"
+    raise FileExistsError(
+        f"{path} is {whose}: it is kept; choose another --output for the report of {identity['name']}"
+    )
 
 
 def report_benchmark(report: dict[str, Any]) -> str:

@@ -9,7 +9,8 @@ objective: (a) real τ, (b) teacher-forced τ at the anchors decoding visited an
 the real acceptance length, (c) teacher-forced τ at every valid anchor of the same sequences, and
 (d) the training evaluation's τ from <draft>/demo_summary.json when it exists. Prints a Markdown
 table and writes the report (with per-anchor lengths) to <draft>/speculative/tau_gap.json for a
-training run, else outputs/evaluate/<draft name>/tau_gap.json (an exported draft is never written into).
+training run, else outputs/evaluate/<draft name>/tau_gap.json (an exported draft is never written into);
+like `dflash2 evaluate`, it never replaces another draft's report.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from trainer.cli import command_parser
 from trainer.data.chat import end_of_turn_ids
 from trainer.evaluation.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
-from trainer.evaluation.report import default_report_folder, training_summary
+from trainer.evaluation.report import REPORT_DRAFT_KEY, check_report_path, default_report_folder, training_summary
 from trainer.evaluation.tau_gap import PATH_MODES, render_table, tau_gap_report
 from trainer.fileio import write_file_atomically
 from trainer.models.loading import DRAFT_CLASSES, load_draft
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
+    output = Path(args.output or default_report_folder(args.draft, "tau_gap").with_suffix(".json"))
+    identity = check_report_path(output, args.draft)  # another draft's report is never replaced
     target = FrozenTarget.load(args.target, args.target_gguf_file)
     draft = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
     selection = select_prompts(
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         paths=args.paths,
         training_summary=training_summary(args.draft),
     )
-    output = Path(args.output or default_report_folder(args.draft, "tau_gap").with_suffix(".json"))
+    report = {REPORT_DRAFT_KEY: identity, **report}
     output.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=2)
     write_file_atomically(output, lambda temporary: temporary.write_text(text))

@@ -35,12 +35,16 @@ def exit_status(signum: int) -> int:
 class TrainingInterrupted(Exception):
     """Training stopped on a signal after saving a complete checkpoint."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None):
+    def __init__(self, signum: int, step: int, checkpoint: str | None, resume: str = "true", overwrite: bool = False):
+        """`checkpoint`: one that exists now (the run's caller checks); `resume`: the flag value that
+        continues from it (`true` when it is the newest complete one, else its path); `overwrite`: the
+        run was started with overwrite_output_dir, which the resume must drop."""
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         saved = f"saved a complete checkpoint at {checkpoint}" if checkpoint else "no checkpoint could be saved"
+        without = " and --overwrite_output_dir false" if overwrite else ""
         super().__init__(
             f"stopped by {signal.Signals(signum).name} after step {step}: {saved}; "
-            "run the same command with --resume_from_checkpoint true to continue"
+            f"run the same command with --resume_from_checkpoint {resume}{without} to continue"
         )
 
     @property

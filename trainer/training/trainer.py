@@ -61,6 +61,7 @@ from trainer.training.checkpoints import (
     staging_parent,
 )
 from trainer.training.hf_hooks import check_hooks
+from trainer.training.output_dir import check_fresh_start
 from trainer.training.precision import apply_at_launch
 from trainer.training.preemption import PreemptionCallback
 from trainer.training.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
@@ -337,6 +338,7 @@ class DFlash2Trainer(Trainer):
         if resume_from_checkpoint is True:
             newest = newest_complete_checkpoint(Path(self.args.output_dir))
             if newest is None:
+                check_fresh_start(Path(self.args.output_dir))
                 logger.warning("No complete checkpoint in %s: training starts at step 0.", self.args.output_dir)
                 return None
             logger.info("Resuming from %s", newest)
@@ -381,8 +383,8 @@ class DFlash2Trainer(Trainer):
             if self.args.should_save:
                 shutil.rmtree(parent, ignore_errors=True)
             raise
-        if self.args.should_save:
-            rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint])
+        if self.args.should_save:  # the checkpoint just saved is kept even when older than the newest one
+            rotate(run_dir, self.args.save_total_limit, protected=[self.state.best_model_checkpoint, final])
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
 
