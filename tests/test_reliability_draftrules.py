@@ -96,7 +96,8 @@ def test_a_softcap_of_zero_means_off_everywhere_and_is_never_written():
 
 def test_released_configs_still_load_and_pass_the_export_rules():
     shared = FIXTURES.parents[2] / "shared" / "contract" / "zlab-dflash2-config.json"  # beside the checkout
-    for path in (FIXTURES / "zlab-dflash2-config.json", shared):
+    shipped = sorted((FIXTURES.parents[1] / "hub_configs").glob("*.json"))  # the starter configs
+    for path in (FIXTURES / "zlab-dflash2-config.json", shared, *shipped):
         if not path.exists():
             continue
         config = DFlash2Config.from_json_file(path)
@@ -209,3 +210,21 @@ def test_train_refuses_a_draft_export_would_refuse_before_any_step(tiny_run, tmp
     assert len(errors) == 1 and "rule 11: input_embedding_scale must be 1.0" in errors[0], errors
     assert not list((tmp_path / "output").glob("checkpoint-*"))
     assert not (tmp_path / "output" / "model.safetensors").exists()
+
+
+def test_a_v1_draft_config_still_trains_as_the_compare_baseline(tiny_run, tmp_path, caplog):
+    from modeling_dflash2.configuration_dflash2 import DFLASH2_REQUIRED_FIELDS
+
+    draft = json.loads((tiny_run / "draft.json").read_text())
+    draft["architectures"] = ["DFlashDraftModel"]
+    for name in DFLASH2_REQUIRED_FIELDS:
+        draft["dflash_config"].pop(name)
+    (tmp_path / "v1.json").write_text(json.dumps(draft))
+    argv = [str(tiny_run / "recipe.yaml"), "--draft_config", str(tmp_path / "v1.json")]
+    argv += ["--output_dir", str(tmp_path / "output"), "--max_steps", "1", "--eval_strategy", "'no'"]
+    argv += ["--save_strategy", "'no'", "--num_eval_samples", "0", "--spec_eval_prompts", "0"]
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as exit_info:
+        run(train.main, argv)
+    assert exit_info.value.code == 0
+    assert (tmp_path / "output" / "model.safetensors").exists()
+    assert "is a DFlash v1 draft: it trains" in caplog.text

@@ -9,6 +9,7 @@ exported, and is refused up front only when the run would end by pushing it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -45,8 +46,14 @@ def _checked(config: DFlash2Config, source: str) -> DFlash2Config:
     if config.is_dflash2:
         check_exportable_draft(config, source)
     else:
-        logger.warning(V1_TRAINS, source)
+        _warn_v1(source)
     return config
+
+
+@functools.cache
+def _warn_v1(source: str) -> None:
+    """Once per config: the planner's memory check reads the draft config before training does."""
+    logger.warning(V1_TRAINS, source)
 
 
 def load_draft_config(model_args: Any, *, building: bool = True) -> DFlash2Config:
