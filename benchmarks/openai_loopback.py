@@ -10,7 +10,9 @@ with other ids (another vocabulary behind the same template); `refuse_containing
 (context length exceeded) to conversations containing that text; `empty_answers` answers every
 completion with `content: ""`; `raw_completions` / `raw_models` = (content type, body) answer HTTP 200
 with that body instead (an HTML page, JSON of the wrong shape); `trickle = s` sends a completion's
-headers, then one byte every s seconds (for at most `trickle_for` seconds, then hangs up).
+headers, then one byte every s seconds (for at most `trickle_for` seconds, then hangs up);
+`busy_for = n` answers HTTP 429 with `Retry-After: retry_after` to the first n completion requests.
+`model_root` is what GET /v1/models reports as the model's `root` (vLLM's path of the weights).
 `completions` counts the answered completion requests, and `asked` lists every conversation asked,
 to show nothing was asked twice.
 """
@@ -43,6 +45,9 @@ class LoopbackOpenAI:
         self.raw_models: tuple[str, bytes] | None = None  # (content type, body) for GET /v1/models
         self.trickle: float | None = None  # seconds between the bytes of a completion's body
         self.trickle_for = 20.0  # then the connection is closed: a client without a deadline still returns
+        self.busy_for = 0  # completion requests answered 429 first
+        self.retry_after = "1"  # their Retry-After header (seconds or an HTTP date)
+        self.model_root: str | None = None  # GET /v1/models' `root` (None: not reported)
         self.completions = 0
         self.requests = 0
         self.in_flight = 0  # completions being computed now
@@ -125,9 +130,11 @@ class LoopbackOpenAI:
             def log_message(self, *args):
                 pass
 
-            def _send(self, status: int, payload: dict) -> None:
+            def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
                 body = json.dumps(payload).encode()
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -163,7 +170,10 @@ class LoopbackOpenAI:
                 if self.path == "/v1/models" and server.raw_models:
                     self._send_raw(*server.raw_models)
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
+                    entry = {"id": server.model_name, "object": "model"}
+                    if server.model_root is not None:
+                        entry["root"] = server.model_root
+                    self._send(200, {"object": "list", "data": [entry]})
                 else:
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -186,6 +196,10 @@ class LoopbackOpenAI:
                 with server.lock:
                     server.requests += 1
                     failing = server.fail_every and server.requests % server.fail_every == 0
+                    busy = server.requests <= server.busy_for
+                if busy:
+                    self._send(429, {"error": {"message": "too many requests"}}, {"Retry-After": server.retry_after})
+                    return
                 if failing:
                     self._send(503, {"error": {"message": "busy"}})
                     return
