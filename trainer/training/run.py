@@ -141,8 +141,8 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
     )
     draft = build_draft(model_args)
-    check_draft_for_target(draft.config, target, training_args.push_to_hub)  # the export's rules, before training
     target.check_draft(draft.dflash, draft.config)
+    check_draft_for_target(draft.config, target, training_args.push_to_hub)  # the export's rules, before training
     check_packing_settings(data_args, training_args)
     if data_args.packing and not data_args.offline:
         target.check_packing(draft.target_layer_ids)  # before any data is built: the target sees packed rows
