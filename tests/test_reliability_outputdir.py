@@ -182,12 +182,13 @@ def test_overwrite_renames_everything_aside_before_deleting(tmp_path, monkeypatc
 # -- row 2: the signal's message names a checkpoint that exists -----------------------------------
 
 
-def test_a_signal_names_the_checkpoint_it_saved_and_that_checkpoint_exists(finished, tmp_path, capsys, monkeypatch):
+def test_a_signal_names_the_checkpoint_it_saved_and_that_checkpoint_exists(tmp_path, capsys, monkeypatch):
     """A resume from checkpoint-2 of a folder that also holds checkpoint-4, save_total_limit 1, SIGTERM
     at step 3: before, rotation deleted the checkpoint-3 just saved (and checkpoint-2), the message
     named checkpoint-3 anyway and its resume was refused. Now checkpoint-3 is kept and named, with
     the resume flag that continues from it (true would pick checkpoint-4)."""
-    recipe = copy_of(finished, tmp_path)
+    recipe = write_tiny_run(tmp_path, **RUN)
+    train.main([str(recipe)])
     output = tmp_path / "output"
 
     class Signalled(train.DFlash2Trainer):  # SIGTERM while step 3 is computed, as a scheduler sends it
