@@ -47,8 +47,9 @@ DFLASH_FIELDS = (
 )
 
 # The value rules that a draft config and the export contract (docs/contract.md) share, defined
-# once here: `trainer.publishing.contract` and `trainer.models.config_bounds` read them, so a config
-# that loads and trains is never refused at export for the same field.
+# once here: `trainer.publishing.contract` and `trainer.models.config_bounds` read them, so a field
+# has the same bound wherever it is checked. (What only the export refuses, e.g. an
+# input_embedding_scale SGLang ignores, the trainer checks with the contract before training.)
 MIN_BLOCK_SIZE = 2  # rule 6: the anchor plus at least one proposal
 # rule 8: the selector re-ranks its top-k candidates; with one there is nothing to choose, and its
 # sampling distribution would put all mass on the unary argmax.
@@ -69,7 +70,7 @@ def is_positive_finite(value: Any) -> bool:
 
 def softcap_value(value: Any) -> float | None:
     """The soft-cap a stored `final_logit_softcapping` means: None when off (null or 0, as vLLM
-    and SGLang read it), else a finite number > 0. Raises ValueError on anything else. An export
+    reads it), else a finite number > 0. Raises ValueError on anything else. An export
     writes only the `> 0` form and omits an off cap (rule 11)."""
     if value is None:
         return None
