@@ -160,9 +160,6 @@ class DataArguments:
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
 
-    def __post_init__(self):
-        check_fields(self, RULES)
-
 
 def _objective_arguments() -> type:
     """ObjectiveConfig's fields under their recipe keys, with the same defaults and help: the training
@@ -240,7 +237,8 @@ class DFlashTrainingArguments(ObjectiveArguments, TrainingArguments):
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, DFlashTrainingArguments)
 # Every numeric, dtype and mode field's range, by field name: checked where a recipe or flag value is read (naming
-# the key the user wrote) and in each class's __post_init__. Every int/float field this project declares has one
+# the key the user wrote) and in ModelArguments' and DFlashTrainingArguments' __post_init__ (DataArguments built in
+# code are checked against their dataset by trainer.data.dataset). Every int/float field this project declares has one
 # (tests/test_reliability_recipe.py); the TrainingArguments fields recipes use are listed too.
 RULES: dict[str, Rule] = {
     # ModelArguments
