@@ -77,7 +77,7 @@ class TargetDimensions:
 RULE_14_MIXED = (
     "rule 14: is_causal is unset and layer_types mix full and sliding layers, so full layers are "
     "bidirectional and sliding layers causal; no single is_causal value serves that. Set is_causal "
-    "explicitly (true or false) in the draft config"
+    "explicitly (true or false) in the draft config and train with it"
 )
 RULE_22_V1 = (
     "rule 22: {source} is a DFlash v1 draft (DFlashDraftModel), and export writes DFlash2 drafts only "
