@@ -200,6 +200,16 @@ def test_a_named_file_that_is_not_a_regular_file_is_refused_at_once(target, tmp_
     assert victim.read_text() == "the user's"
 
 
+def test_a_file_larger_than_its_request_can_be_is_refused_unread(tmp_path: Path):
+    path = tmp_path / "request.safetensors"
+    save_file(
+        {"hidden_states": torch.zeros(4, 2, 8), "token_ids": torch.arange(4), "padding": torch.zeros(1 << 18)}, path
+    )
+    Path(f"{path}.lock").touch()
+    with pytest.raises(EndpointError, match=r"request\.safetensors holds \d+ bytes, more than the 4096 its request"):
+        asyncio.run(asyncio.wait_for(read_hidden_states(str(path), 5.0, HangingNudger(), "f", max_bytes=4096), 20))
+
+
 def test_feature_endpoint_without_a_storage_folder_is_refused_naming_the_key():
     endpoint = EndpointSettings(url="http://h/v1", keys="feature")
     with pytest.raises(ValueError, match="feature_endpoint needs feature_storage_path: the folder the server writes"):

@@ -390,7 +390,10 @@ def _waiting_for(path: str) -> str:
     """What is true of a file that has not come: still locked, released but missing, or neither
     (the folder is not the server's)."""
     lock = _lock_state(path)
-    exists = _open_regular(path) is not None
+    descriptor = _open_regular(path)
+    exists = descriptor is not None
+    if exists:
+        os.close(descriptor)
     if exists and lock == "missing":
         return (
             "it exists but has no lock file, so it is never known to be whole: keep the connector's "
@@ -419,7 +422,7 @@ async def read_hidden_states(
     while True:
         try:
             tensors = _load_regular(path, max_bytes) if _lock_state(path) == "released" else None
-        except NotRegularFileError as error:
+        except EndpointError as error:  # not a regular file, or too large: no wait changes that
             raise EndpointError(f"{name}: the hidden-state file {error}") from None
         except (SafetensorError, OSError) as error:
             if time.monotonic() >= deadline:
