@@ -28,6 +28,7 @@ from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
 from trainer.models.draft import build_draft, check_draft_for_target
 from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
 from trainer.training.checkpoints import newest_complete_checkpoint
@@ -136,6 +137,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     transformers.set_seed(training_args.seed)
     liveness = start_watchdog(training_args)  # each rank watches the others from here on (rank_stall_timeout)
     check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
+    check_run_fits(model_args, data_args, training_args)  # the planner's estimate against this device's memory
 
     target = FrozenTarget.load(
         model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
