@@ -190,7 +190,8 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
         arguments = [*SERVER_ARGUMENTS, *engine_feature_arguments(layer_ids, storage, connector=CPU_CONNECTOR)]
         with VllmServer(checkpoint, arguments, served_name=SERVED_NAME, log=logs / "features.log") as server:
             feature_settings = FeatureEndpointSettings(
-                EndpointSettings(url=server.url, model=SERVED_NAME, concurrency=CONCURRENCY, keys="feature")
+                EndpointSettings(url=server.url, model=SERVED_NAME, concurrency=CONCURRENCY, keys="feature"),
+                storage=storage,
             )
 
             def features_through_server(cache: Path, chosen: Any = tokens) -> Path:

@@ -66,7 +66,7 @@ def token_samples(tokenizer, count: int, offset: int = 0) -> datasets.Dataset:
 
 def settings_for(server, **overrides) -> FeatureEndpointSettings:
     endpoint = EndpointSettings(url=server.url, model=SERVED_NAME, keys="feature", **overrides)
-    return FeatureEndpointSettings(endpoint, file_timeout=60)
+    return FeatureEndpointSettings(endpoint, file_timeout=60, storage=server.storage)
 
 
 def relative_errors(tokens, engine_store: Path, local_store: Path, expected) -> list[float]:
@@ -119,7 +119,8 @@ from tests.engines.test_vllm_features import settings_for_url, token_samples
 from trainer.data.engine_features import prepare_engine_features
 from trainer.models.target import TargetTokenizer
 target = TargetTokenizer.load({TARGET!r})
-prepare_engine_features(settings_for_url({feature_server.url!r}), target, token_samples(target.tokenizer, {samples}),
+settings = settings_for_url({feature_server.url!r}, {str(feature_server.storage)!r})
+prepare_engine_features(settings, target, token_samples(target.tokenizer, {samples}),
                         {LAYER_IDS!r}, Path({str(tmp_path)!r}), shard_samples={shard})
 """
     capture = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -153,10 +154,10 @@ prepare_engine_features(settings_for_url({feature_server.url!r}), target, token_
     assert max(errors) < TOLERANCE
 
 
-def settings_for_url(url: str) -> FeatureEndpointSettings:
+def settings_for_url(url: str, storage: str) -> FeatureEndpointSettings:
     """(for the killed capture's process) one request at a time, so the kill lands between shards."""
     endpoint = EndpointSettings(url=url, model=SERVED_NAME, keys="feature", concurrency=1)
-    return FeatureEndpointSettings(endpoint, file_timeout=60)
+    return FeatureEndpointSettings(endpoint, file_timeout=60, storage=storage)
 
 
 def training_recipe(tmp_path: Path, name: str, **keys) -> Path:
@@ -211,7 +212,13 @@ def training_losses(recipe: Path) -> list[float]:
 
 
 def test_prepare_then_train_from_engine_features_matches_in_process(feature_server, tmp_path: Path):
-    engine = training_recipe(tmp_path, "engine", feature_endpoint=feature_server.url, feature_model=SERVED_NAME)
+    engine = training_recipe(
+        tmp_path,
+        "engine",
+        feature_endpoint=feature_server.url,
+        feature_model=SERVED_NAME,
+        feature_storage_path=str(feature_server.storage),
+    )
     assert "prepared 24 training" in run_example("prepare.py", engine)
     stores = list((tmp_path / "cache-engine" / "features").glob(f"*/{FEATURE_INDEX}"))
     assert len(stores) == 1  # written by prepare through vLLM; train.py below reuses it
