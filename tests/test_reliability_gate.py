@@ -19,7 +19,7 @@ from trainer.cli import run
 from trainer.data import prepare
 from trainer.models.target import FrozenTarget
 from trainer.plan import fit_check
-from trainer.plan.facts import launched_accelerate_config
+from trainer.plan.facts import GIB, launched_accelerate_config
 from trainer.plan.memory import plan_run
 from trainer.training import run as train
 from trainer.training.arguments import parse_arguments
@@ -150,3 +150,16 @@ def test_prepare_accepts_init_from_without_draft_config(base, tmp_path, capsys):
         run(prepare.main, argv)
     assert finished.value.code == 0, capsys.readouterr().err
     assert "prepared 20 training and 4 evaluation samples" in capsys.readouterr().out
+
+
+def test_the_memory_of_each_device(monkeypatch):
+    """A CUDA rank plans for its device's total memory (what `--gpu-memory-gb` means); a device the
+    planner has no model of is not sized (the run then goes ahead with a logged line)."""
+    import torch
+
+    properties = type("Properties", (), {"name": "NVIDIA H200", "total_memory": 141 * GIB})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    assert fit_check.device_memory(torch.device("cuda", 0)) == (141 * GIB, "NVIDIA H200, 141.0 GiB")
+    monkeypatch.setattr(fit_check, "available_memory", lambda: 8 * GIB)
+    assert fit_check.device_memory(torch.device("cpu"))[0] == 8 * GIB
+    assert fit_check.device_memory(torch.device("meta")) == (None, "a meta device")

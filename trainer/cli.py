@@ -3,7 +3,9 @@
 Errors a user can fix (a refused recipe value, a missing file, a broken contract rule, a Hub
 refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
 or `DFLASH2_DEBUG=1`, shows the full traceback instead. A run stopped by SIGTERM/SIGINT exits with
-128 + the signal number after its one line. Under torchrun / accelerate launch only rank 0 prints.
+128 + the signal number after its one line; Ctrl-C anywhere else (loading, regenerating, evaluating)
+is `interrupted: ...` saying what the command kept, and 130. Under torchrun / accelerate launch only
+rank 0 prints.
 A rank that died or stalled (`trainer.training.watchdog`) ends the others with status 1 after one line naming
 it, printed by the lowest surviving rank. Anything else is a bug and keeps its traceback.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -19,11 +22,13 @@ from typing import Any, NoReturn
 
 import yaml
 
+from trainer.commands import kept_on_interrupt
 from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.watchdog import watched_run
 
 SILENT_RANK_GRACE_SECONDS = 5.0
+INTERRUPTED_STATUS = 128 + signal.SIGINT
 # ValueError covers refused recipes, export rules and Hub id validation; OSError covers missing
 # files, full disks and Hub HTTP/connection errors; YAMLError a recipe that is not YAML;
 # FloatingPointError a diverged run (the step is named).
@@ -58,6 +63,13 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
     except TrainingInterrupted as stop:
         say(f"interrupted: {stop}")
         sys.exit(stop.exit_status)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        # a second Ctrl-C while this line is printed, or while the interpreter shuts down, ends at once
+        signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_STATUS))
+        say(f"interrupted: stopped by SIGINT (Ctrl-C): {kept_on_interrupt(module_of(main))}")
+        sys.exit(INTERRUPTED_STATUS)
     except USER_ERRORS as error:
         if debug:
             raise
@@ -68,6 +80,15 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
             time.sleep(SILENT_RANK_GRACE_SECONDS)
         sys.exit(USER_ERROR_STATUS)
     sys.exit(0)
+
+
+def module_of(main: Callable) -> str:
+    """The module `main` is defined in, by its import name also when it runs as `python -m module`."""
+    module = getattr(main, "__module__", "") or ""
+    if module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec is not None else module
+    return module
 
 
 def describe(error: BaseException) -> str:

@@ -22,23 +22,72 @@ PROG = "dflash2"
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: the module whose `main(argv)` runs it, and its line in `dflash2 --help`."""
+    """A subcommand: the module whose `main(argv)` runs it, its line in `dflash2 --help`, and what
+    its Ctrl-C line says was kept (`trainer.cli.run`)."""
 
     module: str
     summary: str
+    kept: str
 
 
+RERUN = "run the same command again"
 COMMANDS: dict[str, Command] = {
-    "configure": Command("trainer.plan.configure", "write a draft config and a starter recipe for any causal LM"),
-    "plan": Command("trainer.plan.cli", "per-rank memory of a training run, from the recipe and configs alone"),
-    "prepare": Command("trainer.data.prepare", "answer the prompts and capture target features ahead of training"),
-    "train": Command("trainer.training.run", "train a draft on a recipe (no recipe: the embedded default)"),
-    "evaluate": Command("trainer.evaluation.evaluate_command", "real speculative decoding: τ, acceptance, speed-up"),
-    "export": Command("trainer.publishing.export_command", "a checkpoint to a publishable folder (and the Hub)"),
-    "publish": Command("trainer.publishing.publish_command", "push an existing export folder to the Hub"),
-    "tau-gap": Command("trainer.evaluation.tau_gap_command", "teacher-forced τ at the anchors real decoding visited"),
-    "compare": Command("trainer.evaluation.compare", "the equal-budget recipe comparison on the demo target"),
+    "configure": Command(
+        "trainer.plan.configure",
+        "write a draft config and a starter recipe for any causal LM",
+        f"nothing was written (the draft config and recipe are written whole at the end); {RERUN}",
+    ),
+    "plan": Command(
+        "trainer.plan.cli",
+        "per-rank memory of a training run, from the recipe and configs alone",
+        "nothing was written (plan only reads)",
+    ),
+    "prepare": Command(
+        "trainer.data.prepare",
+        "answer the prompts and capture target features ahead of training",
+        f"the answers finished so far (the cache's journal) and complete feature stores are kept; {RERUN} "
+        "to continue from them",
+    ),
+    "train": Command(
+        "trainer.training.run",
+        "train a draft on a recipe (no recipe: the embedded default)",
+        "complete checkpoints in output_dir and the cache's finished answers and features are kept; "
+        f"{RERUN} to continue (with --resume_from_checkpoint true if a checkpoint was saved)",
+    ),
+    "evaluate": Command(
+        "trainer.evaluation.evaluate_command",
+        "real speculative decoding: τ, acceptance, speed-up",
+        f"no report was written (it is written when decoding ends); {RERUN}",
+    ),
+    "export": Command(
+        "trainer.publishing.export_command",
+        "a checkpoint to a publishable folder (and the Hub)",
+        "an export folder is written whole, then renamed, and a Hub push is one commit: neither was left "
+        f"half-written; {RERUN}",
+    ),
+    "publish": Command(
+        "trainer.publishing.publish_command",
+        "push an existing export folder to the Hub",
+        f"the upload is one commit, so the Hub repo is unchanged unless it had completed; {RERUN}",
+    ),
+    "tau-gap": Command(
+        "trainer.evaluation.tau_gap_command",
+        "teacher-forced τ at the anchors real decoding visited",
+        f"no report was written (it is written at the end); {RERUN}",
+    ),
+    "compare": Command(
+        "trainer.evaluation.compare",
+        "the equal-budget recipe comparison on the demo target",
+        f"finished stages (each run's summary and reports) are kept; {RERUN} to continue from them",
+    ),
 }
+# the Ctrl-C line of a `main` that is none of the commands' (e.g. a test's)
+UNKNOWN_KEPT = f"stopped before finishing; {RERUN}"
+
+
+def kept_on_interrupt(module: str) -> str:
+    """What the command whose `main` lives in `module` keeps when Ctrl-C stops it."""
+    return next((command.kept for command in COMMANDS.values() if command.module == module), UNKNOWN_KEPT)
 
 
 def usage() -> str:
