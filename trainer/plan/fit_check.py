@@ -72,7 +72,7 @@ def check_run_fits(model_args, data_args, training_args) -> MemoryPlan | None:
         )
     except Exception as error:  # an estimate that cannot be made must not stop a run
         if training_args.process_index == 0:
-            logger.warning("memory check skipped: the planner could not size this run (%s)", _short(error))
+            logger.info("memory check skipped: the planner could not size this run (%s)", _short(error))
         return None
     if not plan.fits:
         raise RecipeDoesNotFit(
@@ -95,7 +95,7 @@ def check_target_fits(model_args, data_args, training_args) -> int | None:
         target = target_facts(load_target_config(model_args))
         needed = target_weight_bytes(target, run_facts(model_args, data_args, training_args, 1, None, device="cpu"))
     except Exception as error:  # an estimate that cannot be made must not stop a run
-        logger.warning("memory check skipped: the planner could not size the target (%s)", _short(error))
+        logger.info("memory check skipped: the planner could not size the target (%s)", _short(error))
         return None
     if needed > memory:
         raise RecipeDoesNotFit(
