@@ -32,7 +32,7 @@ from trainer.data.feature_store import (
     store_fingerprint,
     tensor_statistics,
 )
-from trainer.locks import entry_lock_file
+from trainer.locks import entry_lock_file, lock_cache_entry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,9 +194,9 @@ def staging_folders(entry: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_a_killed_capture_is_removed_by_the_next_capture_of_its_entry(target, tmp_path, caplog):
-    """A capture SIGKILLed mid-way leaves its temporary folder; the next capture of the entry removes
-    it (under the entry's lock) and writes a store equal to a clean capture; other entries' folders
-    are not touched."""
+    """A capture SIGKILLed mid-way leaves its temporary folder; the next capture in the cache removes
+    it (under the entry's lock) and writes a store equal to a clean capture. It removes another
+    entry's dead folder too, but never one whose entry is locked by a live writer."""
     cache = tmp_path / "cache"
     tokens = token_dataset(target, 9)
     entry = feature_store_path(target, tokens, [2, 1], cache)
@@ -216,15 +216,24 @@ def test_a_killed_capture_is_removed_by_the_next_capture_of_its_entry(target, tm
         "shard-00000.safetensors",
         "shard-00001.safetensors",
     ]
-    other = cache / "features" / f".{'0' * 20}.abcdefgh"  # another entry's folder: not this capture's
-    other.mkdir()
-    (other / "shard-00000.safetensors").write_bytes(b"another entry")
-
-    assert store(target, tokens, cache) == entry
+    dead, live = (cache / "features" / f".{digit * 20}.abcdefgh" for digit in "01")  # other entries' folders
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "shard-00000.safetensors").write_bytes(b"another entry")
+    writer = lock_cache_entry(cache / "features" / ("1" * 20), "feature store").acquire()  # a live writer of one
+    try:
+        assert store(target, tokens, cache) == entry
+    finally:
+        writer.release()
     assert staging_folders(entry) == []
     assert f"Removing {leftover} (" in caplog.text and "partial feature store of an interrupted capture" in caplog.text
+    assert f"Removing {dead} (" in caplog.text
     assert sorted(p.name for p in entry.parent.iterdir()) == sorted(
-        [entry.name, other.name, entry_lock_file(entry).name]
+        [
+            entry.name,
+            live.name,
+            *(entry_lock_file(cache / "features" / name).name for name in (entry.name, "0" * 20, "1" * 20)),
+        ]
     )
     clean = store(target, tokens, tmp_path / "clean")
     assert sorted(p.name for p in entry.iterdir()) == sorted(p.name for p in clean.iterdir())

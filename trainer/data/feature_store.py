@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ from trainer.fileio import (
     reporting_disk_full,
     write_directory_atomically,
 )
-from trainer.locks import lock_cache_entry
+from trainer.locks import FolderInUseError, FolderLock, entry_lock_file, lock_cache_entry
 from trainer.models.target import FrozenTarget
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SAMPLE_TENSORS = (("sample", 0), ("final", 2))
 TOKENS_PREFIX = "tokens"  # a sample's token ids (int64 [tokens]), checked against the dataset's
 HASH_CHUNK_BYTES = 8 << 20
+# A capture's temporary folder (`write_directory_atomically`: "." + entry + "." + mkdtemp's 8 characters);
+# entries are named by `digest` (20 hex digits).
+STAGING_NAME = re.compile(r"\.(?P<entry>[0-9a-f]{20})\.[a-z0-9_]{8}")
 
 
 def token_fingerprint(dataset: datasets.Dataset) -> str:
@@ -187,19 +191,38 @@ def _write_tensor(file: BinaryIO, hasher: Any, tensor: torch.Tensor) -> None:
 
 
 def remove_interrupted_captures(entry: Path) -> None:
-    """Remove what captures of `entry` killed mid-write left: the temporary siblings
-    (`.<entry>.<random>/`) of `write_directory_atomically`. Call it holding the entry's lock: every
-    writer of the entry holds it while writing, so none of these folders is still being filled."""
+    """Remove the partial stores that killed captures left beside `entry`: the temporary siblings
+    `.<entry>.<random>/` of `write_directory_atomically`. Call it holding `entry`'s lock. Every
+    writer of an entry holds its lock while writing, so the entry's own leftovers are dead, and
+    another entry's are removed only when its lock can be taken at once (never a live writer's)."""
     entry = Path(entry)
     if not entry.parent.is_dir():
         return
-    for leftover in entry.parent.glob(f".{entry.name}.*"):
-        if leftover.is_dir() and not leftover.is_symlink():
-            size = sum(path.stat().st_size for path in leftover.rglob("*") if path.is_file())
-            logger.warning(
-                "Removing %s (%s): the partial feature store of an interrupted capture", leftover, format_bytes(size)
-            )
-            shutil.rmtree(leftover)
+    for leftover in sorted(entry.parent.iterdir()):
+        match = STAGING_NAME.fullmatch(leftover.name)
+        if match is None or not leftover.is_dir() or leftover.is_symlink():
+            continue
+        if match["entry"] == entry.name:
+            _remove_leftover(leftover)
+            continue
+        lock = FolderLock(entry_lock_file(entry.parent / match["entry"]), leftover, "feature store", same_job_wait=0.0)
+        try:
+            lock.acquire()
+        except FolderInUseError:
+            continue  # being written now
+        try:
+            if leftover.is_dir():
+                _remove_leftover(leftover)
+        finally:
+            lock.release()
+
+
+def _remove_leftover(leftover: Path) -> None:
+    size = sum(path.stat().st_size for path in leftover.rglob("*") if path.is_file())
+    logger.warning(
+        "Removing %s (%s): the partial feature store of an interrupted capture", leftover, format_bytes(size)
+    )
+    shutil.rmtree(leftover)
 
 
 def prepare_features(
