@@ -83,8 +83,9 @@ def test_absurd_num_anchors_stops_training_before_anything_is_built(base, tmp_pa
         run(train.main, [recipe(base, tmp_path, num_anchors=ABSURD_ANCHORS)])
     assert stopped.value.code == 2
     line = one_error_line(capsys)
-    assert line.startswith("error: this run does not fit in this machine's memory (CPU memory available")
-    assert "does NOT fit on 1 x " in line and "largest part: activations" in line
+    assert line.startswith("error: this run does not fit in this machine's memory (")
+    assert "of CPU memory available) by the planner's estimate: " in line and "does NOT fit on 1 x " in line
+    assert "largest part: activations" in line
     assert "largest per_device_train_batch_size that fits: 0" in line and fit_check.SKIP_VARIABLE in line
     assert not list((tmp_path / "output").glob("checkpoint-*"))
 
@@ -139,7 +140,7 @@ def test_prepare_refuses_a_target_larger_than_this_machine(base, tmp_path, capsy
         run(prepare.main, [recipe(base, tmp_path, offline=True)])
     assert stopped.value.code == 2
     line = one_error_line(capsys)
-    assert line.startswith("error: the target does not fit in this machine's memory (CPU memory available")
+    assert line.startswith("error: the target does not fit in this machine's memory (4.0 KiB of CPU memory available)")
     assert "(target_weights), more than 4.0 KiB" in line
 
 
@@ -159,7 +160,7 @@ def test_the_memory_of_each_device(monkeypatch):
 
     properties = type("Properties", (), {"name": "NVIDIA H200", "total_memory": 141 * GIB})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
-    assert fit_check.device_memory(torch.device("cuda", 0)) == (141 * GIB, "NVIDIA H200, 141.0 GiB")
+    assert fit_check.device_memory(torch.device("cuda", 0)) == (141 * GIB, "NVIDIA H200 with 141.0 GiB")
     monkeypatch.setattr(fit_check, "available_memory", lambda: 8 * GIB)
     assert fit_check.device_memory(torch.device("cpu"))[0] == 8 * GIB
     assert fit_check.device_memory(torch.device("meta")) == (None, "a meta device")

@@ -43,14 +43,14 @@ def cpu_share(local_ranks: int) -> tuple[int | None, str]:
     if available is None:
         return None, "CPU memory"
     share = f", split between its {local_ranks} ranks" if local_ranks > 1 else ""
-    return available // local_ranks, f"CPU memory available on this machine ({format_bytes(available)}{share})"
+    return available // local_ranks, f"{format_bytes(available)} of CPU memory available{share}"
 
 
 def device_memory(device: torch.device) -> tuple[int | None, str]:
     """(bytes one rank may plan for, description) on `device`; None when unknown."""
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
-        return properties.total_memory, f"{properties.name}, {format_bytes(properties.total_memory)}"
+        return properties.total_memory, f"{properties.name} with {format_bytes(properties.total_memory)}"
     if device.type == "cpu":
         return cpu_share(max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1))
     return None, f"a {device.type} device"
@@ -76,7 +76,7 @@ def check_run_fits(model_args, data_args, training_args) -> MemoryPlan | None:
         return None
     if not plan.fits:
         raise RecipeDoesNotFit(
-            f"this run does not fit in this machine's memory ({where}), by the planner's estimate: "
+            f"this run does not fit in this machine's memory ({where}) by the planner's estimate: "
             f"{plan.verdict()}; lower per_device_train_batch_size, num_anchors or max_length "
             f"(`dflash2 plan RECIPE` shows every part), or set {SKIP_VARIABLE}=1 to run it anyway"
         )
@@ -99,7 +99,7 @@ def check_target_fits(model_args, data_args, training_args) -> int | None:
         return None
     if needed > memory:
         raise RecipeDoesNotFit(
-            f"the target does not fit in this machine's memory ({where}), by the planner's estimate: its "
+            f"the target does not fit in this machine's memory ({where}) by the planner's estimate: its "
             f"{target.parameters:,} parameters in {model_args.target_dtype} need {format_bytes(needed)} "
             f"(target_weights), more than {format_bytes(memory)}; prepare on a larger machine or through "
             f"regenerate_endpoint / feature_endpoint, or set {SKIP_VARIABLE}=1 to run it anyway"
