@@ -68,6 +68,27 @@ def test_a_url_with_credentials_is_refused_without_echoing_it(tmp_path, recipe, 
         assert "DFLASH2_ENDPOINT_API_KEY" in message
 
 
+@pytest.mark.parametrize(
+    ("argv", "label"),
+    [
+        (["--target", "t", "--draft", SECRET_URL], "argument --draft"),
+        ([f"--prompts={SECRET_URL}"], "argument --prompts"),
+        ([SECRET_URL, "--max-samples", "2"], "a positional argument"),
+        (["--paths", "unary", SECRET_URL], "argument --paths"),
+    ],
+)
+def test_any_command_refuses_a_flag_with_credentials_naming_it(argv, label, capsys):
+    from trainer.cli import run
+    from trainer.evaluation import evaluate_command
+
+    with pytest.raises(SystemExit) as exited:
+        run(evaluate_command.main, argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: {label}: a URL with a user name or password"), err
+    assert PASSWORD not in err[0] and "DFLASH2_ENDPOINT_API_KEY" in err[0]
+
+
 def test_quoted_values_are_short_and_hide_credentials():
     assert quote(SECRET_URL) == "'http://***@127.0.0.1:9/v1'"
     long = quote("x" * 10_000)

@@ -25,6 +25,7 @@ import yaml
 from trainer.commands import kept_on_interrupt
 from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars
 from trainer.training.preemption import TrainingInterrupted
+from trainer.training.recipe_types import refuse_argv_credentials
 from trainer.training.watchdog import watched_run
 
 SILENT_RANK_GRACE_SECONDS = 5.0
@@ -59,6 +60,7 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
     try:
         with watched_run(debug):  # a collective failed by a lost rank: one line naming it, exit 1
+            refuse_argv_credentials(argv)  # no flag's URL credentials reach a log, record or export
             main(argv)
     except TrainingInterrupted as stop:
         say(f"interrupted: {stop}")

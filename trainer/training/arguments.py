@@ -19,7 +19,6 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
-from trainer.data.endpoint import API_KEY_VARIABLE
 from trainer.objective.config import OBJECTIVE_RULES, ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 from trainer.recipe_files import read_recipe
@@ -34,9 +33,9 @@ from trainer.training.recipe_types import (
     convert,
     field_choices,
     field_types,
-    has_credentials,
     one_of,
     quote,
+    refuse_credentials,
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -381,8 +380,8 @@ def _typed(values: dict[str, tuple[str, Any]], hints: dict[str, Any], source: st
     """Every value converted to its field's type and checked against its rule (`RULES`), named by the key as written;
     unknown keys refused (with the nearest field name), and so is a URL with credentials, before any of it is
     echoed."""
-    for name, (key, value) in values.items():
-        _refuse_credentials(value, f"{source} {prefix}{_written(key)}", name)
+    for key, value in values.values():
+        refuse_credentials(value, f"{source} {prefix}{_written(key)}")
     unknown = [key for name, (key, _) in values.items() if name not in hints]
     if unknown:
         raise ValueError(
@@ -399,18 +398,6 @@ def _typed(values: dict[str, tuple[str, Any]], hints: dict[str, Any], source: st
 def _written(key: Any) -> str:
     """A key as an error names it: a short prefix, without a URL's credentials."""
     return quote(str(key))[1:-1]
-
-
-def _refuse_credentials(value: Any, label: str, name: str) -> None:
-    """A URL with a user name or password would be written to every checkpoint's recipe, the export's provenance
-    (which publish uploads) and the logs: refused, without echoing it, pointing to the environment instead."""
-    if not has_credentials(value):
-        return
-    where = f"set {API_KEY_VARIABLE} (sent as a Bearer token)" if "endpoint" in name else "use the environment"
-    raise ValueError(
-        f"{label}: a URL with a user name or password (scheme://user:password@host) is refused, as it would be "
-        f"recorded in checkpoints, exports and logs: remove the credentials and {where} instead"
-    )
 
 
 def _did_you_mean(key: Any, hints: dict[str, Any], prefix: str) -> str:

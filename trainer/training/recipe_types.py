@@ -87,6 +87,34 @@ def has_credentials(value: Any) -> bool:
     return False
 
 
+def refuse_credentials(value: Any, label: str) -> None:
+    """A URL with a user name or password would be written to every checkpoint's recipe, the export's provenance
+    (which publish uploads) and the logs: refused in one line naming `label`, without echoing it, pointing to the
+    environment variable the endpoint client reads instead."""
+    if has_credentials(value):
+        from trainer.data.endpoint import API_KEY_VARIABLE  # only on refusal: the parser stays light
+
+        raise ValueError(
+            f"{label}: a URL with a user name or password (scheme://user:password@host) is refused, as it would be "
+            f"recorded in checkpoints, exports and logs: remove the credentials and put an endpoint's key in "
+            f"{API_KEY_VARIABLE} (sent as a Bearer token; a Hub token in HF_TOKEN)"
+        )
+
+
+def refuse_argv_credentials(argv: list[str]) -> None:
+    """`refuse_credentials` for a whole command line (every command's URL flags at once), naming the flag a value
+    belongs to: `--flag value`, `--flag=value`, or a positional argument."""
+    label = "a positional argument"
+    for arg in argv:
+        flag, equals, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if equals:
+            refuse_credentials(value, f"argument {flag}")
+        elif arg.startswith("-"):
+            label = f"argument {arg}"
+        else:
+            refuse_credentials(arg, label)
+
+
 def quote(value: Any, limit: int = QUOTE_LIMIT) -> str:
     """A value as an error message shows it: its repr, credentials hidden, cut to `limit` characters + "…"
     (a recipe value can be long: the message stays one short line)."""
