@@ -13,6 +13,7 @@ it, printed by the lowest surviving rank. Anything else is a bug and keeps its t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -69,7 +70,9 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
         if debug:
             raise
         # a second Ctrl-C while this line is printed, or while the interpreter shuts down, ends at once
-        signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_STATUS))
+        # (handlers can only be set from the main thread; elsewhere the default stays)
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_STATUS))
         say(f"interrupted: stopped by SIGINT (Ctrl-C): {kept_on_interrupt(module_of(main))}")
         sys.exit(INTERRUPTED_STATUS)
     except USER_ERRORS as error:
