@@ -91,6 +91,7 @@ def test_any_command_refuses_a_flag_with_credentials_naming_it(argv, label, caps
 
 def test_quoted_values_are_short_and_hide_credentials():
     assert quote(SECRET_URL) == "'http://***@127.0.0.1:9/v1'"
+    assert quote("http://u:p@ss@host/v1@2") == "'http://***@host/v1@2'"  # the authority's last @
     long = quote("x" * 10_000)
     assert len(long) == 81 and long.endswith("…")
 

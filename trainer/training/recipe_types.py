@@ -32,7 +32,7 @@ INT_LIMIT = Decimal(2) ** 63
 NONE_TYPE = type(None)
 QUOTE_LIMIT = 80  # characters of a value an error message quotes
 # A URL's user information (`scheme://user:password@`): never echoed, recorded or logged.
-URL_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#@]+@")
+URL_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#]+@")  # up to the last @ of the authority
 
 
 class _Mismatch(Exception):
