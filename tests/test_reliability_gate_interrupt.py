@@ -55,6 +55,10 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_status_130(name, capsys):
 
 
 def test_ctrl_c_in_another_main_and_on_other_ranks(capsys, monkeypatch):
+    import trainer.cli as cli
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
     with pytest.raises(SystemExit) as stopped:
         run(pressed_ctrl_c("somewhere.else"), [])
     assert stopped.value.code == INTERRUPTED
@@ -65,6 +69,7 @@ def test_ctrl_c_in_another_main_and_on_other_ranks(capsys, monkeypatch):
         run(pressed_ctrl_c(COMMANDS["train"].module), [])
     assert stopped.value.code == INTERRUPTED
     assert capsys.readouterr().err == ""
+    assert slept == [cli.SILENT_RANK_GRACE_SECONDS]  # rank 0 gets time to print before the launcher tears down
 
 
 def test_debug_keeps_the_traceback_of_ctrl_c():

@@ -74,17 +74,23 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGINT, lambda *_: os._exit(INTERRUPTED_STATUS))
         say(f"interrupted: stopped by SIGINT (Ctrl-C): {kept_on_interrupt(module_of(main))}")
+        let_rank_zero_speak_first()
         sys.exit(INTERRUPTED_STATUS)
     except USER_ERRORS as error:
         if debug:
             raise
         say(f"error: {describe(error)}")
-        if not is_rank_zero() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # every rank runs the same checks; the launcher tears the job down when the first rank
-            # exits, so the silent ranks give rank 0 a moment to print the message first
-            time.sleep(SILENT_RANK_GRACE_SECONDS)
+        let_rank_zero_speak_first()
         sys.exit(USER_ERROR_STATUS)
     sys.exit(0)
+
+
+def let_rank_zero_speak_first() -> None:
+    """Every rank meets the same error (or Ctrl-C, which the launcher forwards to all); the launcher
+    tears the job down when the first rank exits, so the silent ranks give rank 0 a moment to print
+    its line first."""
+    if not is_rank_zero() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(SILENT_RANK_GRACE_SECONDS)
 
 
 def module_of(main: Callable) -> str:
