@@ -196,14 +196,21 @@ def test_a_duplicate_recipe_key_is_refused_with_its_line(tmp_path):
 
 
 def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
-    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    bomb += [f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(9)]
+    """Six levels of 9-fold aliases would be 9**6 strings in a list field (kept small so that the old code fails
+    rather than exhausts memory; the issue's 355-byte recipe took 3.4 GB and printed a 1 GB error)."""
+    levels = [f"- &a0 [{', '.join(['x'] * 9)}]"]
+    levels += [f"- &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 6)]
     path = tmp_path / "bomb.yaml"
-    path.write_text("target: t\nlora_target_modules: [*j, *j, *j, *j, *j, *j, *j, *j, *j]\nx:\n  " + "\n  ".join(bomb))
+    path.write_text("target: t\nlora_target_modules:\n  " + "\n  ".join(levels) + "\n")
     with pytest.raises(ValueError) as refused:
         parse_arguments([str(path)])
     message = str(refused.value)
-    assert message.startswith(f"recipe {path}: YAML aliases (*j) are not allowed in a recipe") and len(message) < 300
+    assert message == (
+        f"recipe {path}: YAML anchors (&a0) are not allowed in a recipe: write the value out (line 3, column 5)"
+    )
+    path.write_text("target: t\nlora_target_modules: [*a, *a]\n")
+    with pytest.raises(ValueError, match=r"YAML aliases \(\*a\) are not allowed in a recipe.*\(line 2, column 23\)$"):
+        parse_arguments([str(path)])
 
 
 def test_a_long_bad_value_is_quoted_as_a_short_prefix(tmp_path):
