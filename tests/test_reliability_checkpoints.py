@@ -93,12 +93,12 @@ def test_every_same_size_flip_of_the_manifest_is_a_damaged_manifest_never_a_trac
     for offset in range(len(original)):
         flip(saved / MANIFEST, offset)
         problems = checkpoint_problems(saved)
-        assert len(problems) == 1 and problems[0].startswith(f"{MANIFEST} "), (offset, problems)
+        assert len(problems) == 1 and problems[0].startswith(f"{MANIFEST} is damaged ("), (offset, problems)
         (saved / MANIFEST).write_bytes(original)
     assert checkpoint_problems(saved) == []
     for damaged in (b"\xff\xfe", b"[]", b'{"format": "dflash2-hub checkpoint", "files": []}', b"{" * 100_000):
         (saved / MANIFEST).write_bytes(damaged)
-        assert checkpoint_problems(saved)[0].startswith(f"{MANIFEST} ")
+        assert checkpoint_problems(saved)[0].startswith(f"{MANIFEST} is damaged (")
     escaping = {"format": "dflash2-hub checkpoint", "step": 2, "files": {"../outside": 3}}
     (saved / MANIFEST).write_text(json.dumps(escaping))
     assert checkpoint_problems(saved) == [

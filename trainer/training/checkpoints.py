@@ -203,10 +203,14 @@ def read_manifest(directory: Path) -> dict[str, tuple[int, str | None]]:
     manifest; a manifest that is unreadable, not valid JSON, not of this shape or not matching its
     own digest raises DamagedFileError (the checkpoint is damaged, whatever its other files hold)."""
     path = directory / MANIFEST
-    manifest = read_json(path, None, dict)
 
     def damaged(reason: str) -> DamagedFileError:
         return DamagedFileError(path, None, f"is damaged ({reason})")
+
+    try:
+        manifest = read_json(path, None, dict)
+    except DamagedFileError as error:
+        raise damaged(error.reason.removeprefix("is ")) from None
 
     files = manifest.get("files")
     if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not files:
@@ -263,28 +267,32 @@ _WARNED_WITHOUT_DIGESTS: set[Path] = set()
 def checkpoint_problems(directory: Path) -> list[str]:
     """Why `directory` cannot be resumed from (empty when it is complete per its manifest and every
     file matches its recorded digest; older manifests: sizes and `structure_problems`)."""
-    directory = Path(directory)
-    manifest_file = directory / MANIFEST
-    if not manifest_file.is_file():
-        return [f"no {MANIFEST} (an interrupted save, or written before dflash2-hub recorded completion)"]
+    incomplete, damaged = _incomplete_and_damaged(Path(directory))
+    return incomplete + damaged
+
+
+def _incomplete_and_damaged(directory: Path) -> tuple[list[str], list[str]]:
+    """(what is missing or cut short, what is damaged or unsafe) in `directory`."""
+    if not (directory / MANIFEST).is_file():
+        return [f"no {MANIFEST} (an interrupted save, or written before dflash2-hub recorded completion)"], []
     try:
         entries = read_manifest(directory)
     except DamagedFileError as error:
-        return [f"{MANIFEST} {error.reason}"]
+        return [], [f"{MANIFEST} {error.reason}"]
     except OSError as error:
-        return [f"{MANIFEST} cannot be read ({error.strerror or error})"]
-    problems, to_hash, sized = [], [], []
+        return [], [f"{MANIFEST} cannot be read ({error.strerror or error})"]
+    incomplete, to_hash, sized = [], [], []
     for name, (size, digest) in entries.items():
         path = directory / name
         if not path.is_file():
-            problems.append(f"{name} is missing")
+            incomplete.append(f"{name} is missing")
         elif path.stat().st_size != size:
-            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {size}")
+            incomplete.append(f"{name} has {path.stat().st_size} bytes, the manifest says {size}")
         elif digest is not None:
             to_hash.append((path, name, digest))
         else:
             sized.append(name)
-    problems += [problem for problem in _in_threads(_digest_problem, to_hash) if problem]
+    problems = [problem for problem in _in_threads(_digest_problem, to_hash) if problem]
     if sized:
         if directory.resolve() not in _WARNED_WITHOUT_DIGESTS:
             _WARNED_WITHOUT_DIGESTS.add(directory.resolve())
@@ -292,9 +300,9 @@ def checkpoint_problems(directory: Path) -> list[str]:
                 "%s was saved before dflash2-hub recorded file digests: checked by size and structure only.", directory
             )
         problems += structure_problems(directory, sized)
-    if not problems:  # a damaged recipe is named by its digest already
+    if not incomplete and not problems:  # else a damaged recipe is named by its size or digest already
         problems = recorded_recipe_problems(directory)
-    return problems + unsafe_pickles(directory)
+    return incomplete, problems + unsafe_pickles(directory)
 
 
 def legacy_checkpoint_problems(directory: Path, needs_optimizer: bool = True) -> list[str]:
@@ -369,11 +377,11 @@ _SKIPS_SAID: set[tuple[str, str]] = set()
 def newest_complete_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint whose manifest checks out; every newer one skipped is logged with why."""
     for candidate in reversed(list_checkpoints(run_dir)):
-        problems = checkpoint_problems(candidate)
-        if not problems:
+        incomplete, damaged = _incomplete_and_damaged(candidate)
+        if not incomplete and not damaged:
             return candidate
-        kind = "damaged" if any("damaged" in problem for problem in problems) else "incomplete"
-        said = (str(candidate), "; ".join(problems))
+        kind = "damaged" if damaged else "incomplete"
+        said = (str(candidate), "; ".join(incomplete + damaged))
         if said not in _SKIPS_SAID:  # asked again (a save's message names the last good one): said once
             _SKIPS_SAID.add(said)
             logger.warning("Skipping %s checkpoint %s: %s", kind, *said)
