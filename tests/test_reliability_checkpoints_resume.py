@@ -86,3 +86,19 @@ def test_resume_true_skips_a_damaged_checkpoint_and_finishes_from_the_previous(t
         "checkpoint-2": [],
         "checkpoint-4": [],  # saved again by the resumed run
     }
+
+
+def test_a_run_resumes_with_its_target_moved_and_named_by_a_relative_path(trained, tmp_path, monkeypatch, caplog):
+    _, output = copy_of(trained, tmp_path)
+    shutil.copytree(trained / "target", tmp_path / "moved" / "target")
+    values = yaml.safe_load((trained / "recipe.yaml").read_text())
+    values.update(output_dir=str(output), target="./target", max_steps=5)
+    recipe = tmp_path / "moved" / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    monkeypatch.chdir(tmp_path / "moved")
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as finished:
+        run(train.main, [str(recipe), "--resume_from_checkpoint", "true"])
+    assert finished.value.code == 0, caplog.text[-2000:]
+    assert f"Resuming from {output / 'checkpoint-4'}" in caplog.text
+    assert "changed target" not in caplog.text
+    assert (output / "checkpoint-5").is_dir()
