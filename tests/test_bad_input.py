@@ -494,7 +494,8 @@ CASES = [
         "resume from a damaged recipe record",
         "train",
         damaged_recipe_record,
-        "{case}/output/checkpoint-2/dflash2_recipe.json is not valid JSON (",
+        "checkpoint {case}/output/checkpoint-2 cannot be resumed from: "
+        "dflash2_recipe.json is not valid JSON (line 1, column 2",
     ),
     # -- reliability (issue 22): regeneration journal and endpoint
     Case(
