@@ -31,7 +31,7 @@ from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
-from trainer.training.checkpoints import newest_complete_checkpoint
+from trainer.training.checkpoints import list_checkpoints, newest_complete_checkpoint
 from trainer.training.distributed import close_process_group
 from trainer.training.output_dir import check_output_dir, check_sources, remove_run
 from trainer.training.preemption import TrainingInterrupted
@@ -104,13 +104,15 @@ def replace_earlier_run(training_args) -> None:
 
 
 def interruption(trainer: DFlash2Trainer) -> TrainingInterrupted:
-    """What a run stopped by a signal says: the checkpoint it saved, if that still exists, else
-    the newest complete one, and the resume flag that continues from exactly that checkpoint."""
+    """What a run stopped by a signal says: the checkpoint it saved (rotation never removes it), else
+    the newest complete one, and the resume flag that continues from exactly that checkpoint: `true`
+    when it is the newest, else its path. Nothing is hashed when the saved one is there: the grace
+    period before a scheduler's SIGKILL is short."""
     output_dir = Path(trainer.args.output_dir)
     saved = trainer.last_checkpoint if trainer.last_checkpoint and trainer.last_checkpoint.is_dir() else None
-    newest = newest_complete_checkpoint(output_dir)
-    checkpoint = saved or newest
-    resume = "true" if checkpoint is None or checkpoint == newest else str(checkpoint)
+    checkpoint = saved or newest_complete_checkpoint(output_dir)
+    newest = list_checkpoints(output_dir)[-1:] if saved else [checkpoint]
+    resume = "true" if checkpoint is None or newest == [checkpoint] else str(checkpoint)
     return TrainingInterrupted(
         trainer.preemption.signum,
         trainer.preemption.stopped_at_step,
