@@ -376,3 +376,11 @@ def test_a_report_naming_no_draft_is_replaced_only_inside_the_drafts_own_run(tmp
     assert identity["name"] == "run" and len(identity["digest"]) == 20
     with pytest.raises(FileExistsError, match="is a report that names no draft: it is kept"):
         report_module.check_report_path(legacy, tmp_path / "another")
+    # a run moved (make demo's .previous-…) keeps its reports, recorded under its old path: still its own
+    moved = tmp_path / "run.previous"
+    legacy.write_text(json.dumps({"benchmark": "heldout", "draft": identity}))
+    run_dir.rename(moved)
+    moved_report = moved / "speculative" / "heldout" / "speculative_report.json"
+    assert report_module.check_report_path(moved_report, moved)["digest"] != identity["digest"]
+    with pytest.raises(FileExistsError, match=r"is the report of another draft \(run\): it is kept"):
+        report_module.check_report_path(moved_report, tmp_path / "another")

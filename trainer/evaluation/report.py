@@ -227,8 +227,9 @@ def default_report_folder(draft: str | Path, benchmark: str) -> Path:
 
 def check_report_path(path: Path, draft: str | Path) -> dict[str, str]:
     """Refuse (one line, before any decoding) to replace a report file that another draft's
-    evaluation wrote, or one that names no draft outside this draft's own training run; returns
-    the identity to record in the new report."""
+    evaluation wrote, or one that names no draft, outside this draft's own training run (a run owns
+    its folder: what lies there is its own, also after the folder was moved); returns the identity
+    to record in the new report."""
     identity = draft_identity(draft)
     path = Path(path)
     if not path.exists():
@@ -236,9 +237,8 @@ def check_report_path(path: Path, draft: str | Path) -> dict[str, str]:
     owner = report_owner(path)
     if owner is not None and owner["digest"] == identity["digest"]:
         return identity
-    own_run = Path(draft).expanduser().resolve() if is_training_run(draft) else None
-    if owner is None and own_run is not None and path.resolve().is_relative_to(own_run):
-        return identity  # the run's own report from before reports recorded their draft
+    if is_training_run(draft) and path.resolve().is_relative_to(Path(draft).expanduser().resolve()):
+        return identity
     whose = f"the report of another draft ({owner.get('name', '?')})" if owner else "a report that names no draft"
     raise FileExistsError(
         f"{path} is {whose}: it is kept; choose another --output for the report of {identity['name']}"
