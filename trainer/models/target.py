@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -136,9 +137,9 @@ class TargetSource:
         return digest({"name": self.name_or_path, "gguf": self.gguf_file})
 
 
-# What a target folder may hold that says nothing about the model: documentation, licences, VCS and lock files.
-NOT_MODEL_SUFFIXES = (".md", ".lock")
-NOT_MODEL_PREFIXES = ("LICENSE", "NOTICE", "USE_POLICY")
+# What a target folder may hold that says nothing about the model: documentation (markdown), licences
+# and lock files.
+NOT_MODEL_FILE = re.compile(r"(\.(md|lock)$)|^(LICENSE|NOTICE|USE_POLICY)", re.IGNORECASE)
 
 
 def local_target_files(directory: Path) -> dict[str, str]:
@@ -150,7 +151,7 @@ def local_target_files(directory: Path) -> dict[str, str]:
     identity = {}
     for path in sorted(Path(directory).iterdir()):
         name = path.name
-        if name.startswith(".") or name.endswith(NOT_MODEL_SUFFIXES) or name.upper().startswith(NOT_MODEL_PREFIXES):
+        if name.startswith(".") or NOT_MODEL_FILE.search(name):
             continue
         if path.is_file():
             identity[name] = safetensors_digest(path) if name.endswith(".safetensors") else sampled_file_digest(path)
