@@ -621,7 +621,7 @@ CASES = [
         lambda base, where: export_argv(
             str(base / "checkpoint"), base, where, "--evaluation-report", data_file(where, "report.json", b"[1, 2]")
         ),
-        "--evaluation-report {case}/report.json must hold a JSON object, got list",
+        "--evaluation-report {case}/report.json holds a list, not an object (JSON)",
     ),
     Case(
         "evaluate a draft whose Hub id has a newline",

@@ -223,8 +223,8 @@ def test_hub_repos_are_read_as_safetensors_only_and_refused_in_one_line():
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
-        (RECIPE_FILE, "[1, 2]", "recorded recipe {path} must hold a JSON object, got list"),
-        ("trainer_state.json", "[]", "trainer state {path} must hold a JSON object, got list"),
+        (RECIPE_FILE, "[1, 2]", "recorded recipe {path} holds a list, not an object (JSON)"),
+        ("trainer_state.json", "[]", "trainer state {path} holds a list, not an object (JSON)"),
         ("trainer_state.json", '{"log_history": {"a": 1}}', "trainer state {path}: log_history must be a list"),
         (RECIPE_FILE, "{", "recorded recipe {path} is not valid JSON"),
     ],
@@ -252,7 +252,7 @@ def test_the_export_cli_names_a_recorded_recipe_that_is_a_list(tmp_path, recipe_
         run(export_command.main, [str(checkpoint), str(tmp_path / "export"), "--target", str(folder)])
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: recorded recipe {checkpoint / RECIPE_FILE} must hold a JSON object, got list"]
+    assert errors == [f"error: recorded recipe {checkpoint / RECIPE_FILE} holds a list, not an object (JSON)"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -437,9 +437,18 @@ def read_text(path: str | os.PathLike, what: str | None = None) -> str:
         raise DamagedFileError(path, what, reason) from None
 
 
-def read_json(path: str | os.PathLike, what: str | None = None, kind: type | tuple[type, ...] | None = None) -> Any:
+def read_json(
+    path: str | os.PathLike,
+    what: str | None = None,
+    kind: type | tuple[type, ...] | None = None,
+    limit: int | None = None,
+) -> Any:
     """`path` parsed as JSON, refused in one line naming the file (and line and column) when it is
-    not UTF-8 or not valid JSON, or when its top-level value is not of `kind` (dict, list, ...)."""
+    not UTF-8 or not valid JSON, or when its top-level value is not of `kind` (dict, list, ...).
+    With `limit`, a file larger than `limit` bytes is refused before it is read: parsing a huge
+    file is as slow as what it would describe."""
+    if limit is not None and (size := Path(path).stat().st_size) > limit:
+        raise DamagedFileError(path, what, f"is {size} bytes, more than the {limit} bytes such a file holds; not read")
     text = read_text(path, what)
     try:
         value = json.loads(text)
@@ -456,9 +465,9 @@ def read_json(path: str | os.PathLike, what: str | None = None, kind: type | tup
     return value
 
 
-def read_json_object(path: str | os.PathLike, what: str | None = None) -> dict[str, Any]:
-    """`read_json(path, what, dict)`: the JSON object in `path`, or one line naming the file."""
-    return read_json(path, what, dict)
+def read_json_object(path: str | os.PathLike, what: str | None = None, limit: int | None = None) -> dict[str, Any]:
+    """`read_json(path, what, dict, limit)`: the JSON object in `path`, or one line naming the file."""
+    return read_json(path, what, dict, limit)
 
 
 # ---------------------------------------------------------------------------------------------

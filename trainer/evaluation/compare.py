@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cli import command_parser
-from trainer.fileio import write_file_atomically
+from trainer.fileio import read_json_object, write_file_atomically
 from trainer.recipe_files import DEFAULT_RECIPE as BASE_RECIPE
 from trainer.recipe_files import REPO
 
@@ -117,14 +117,14 @@ def served_path(report: dict[str, Any]) -> str:
 
 def run_numbers(run_dir: Path) -> dict[str, float]:
     """One finished run's figures, read from what `dflash2 train` and `dflash2 evaluate` wrote."""
-    summary = json.loads((run_dir / "demo_summary.json").read_text())["trained"]
-    state = json.loads((run_dir / "trainer_state.json").read_text())
+    summary = read_json_object(run_dir / "demo_summary.json")["trained"]
+    state = read_json_object(run_dir / "trainer_state.json")
     history = state["log_history"]
     # train_runtime includes the evaluation at step 0; its own runtime is taken out
     runtime = next(entry["train_runtime"] for entry in history if "train_runtime" in entry)
     runtime -= sum(entry["eval_runtime"] for entry in history[:-1] if "eval_runtime" in entry and entry["step"] == 0)
-    heldout = json.loads((run_dir / "speculative" / "heldout" / "speculative_report.json").read_text())
-    humaneval = json.loads((run_dir / "speculative" / "humaneval" / "speculative_report.json").read_text())
+    heldout = read_json_object(run_dir / "speculative" / "heldout" / "speculative_report.json")
+    humaneval = read_json_object(run_dir / "speculative" / "humaneval" / "speculative_report.json")
     if not (heldout.get("lossless") and humaneval.get("lossless")):
         raise RuntimeError(f"{run_dir}: speculative decoding did not reproduce the target's tokens")
     return {
@@ -144,7 +144,7 @@ def run_one(recipe: str, seed: int, output: Path) -> dict[str, float]:
     record = run_dir / RUN_FILE
     if record.exists():
         logger.info("%s seed %d: done before, reusing %s", recipe, seed, record)
-        return json.loads(record.read_text())
+        return read_json_object(record, "run record")
     run_dir.mkdir(parents=True, exist_ok=True)
     draft_config = DRAFT_CONFIG
     if RECIPES[recipe]["v1"]:

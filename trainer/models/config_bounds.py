@@ -13,13 +13,13 @@ config that no real draft has; memory is the finer check.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from modeling_dflash2.configuration_dflash2 import MIN_BLOCK_SIZE, MIN_SELECTOR_TOP_K
+from trainer.fileio import read_json_object
 
 # config.json of a draft is ~2 KiB; reading (and JSON-parsing) a file larger than this is refused.
 MAX_CONFIG_BYTES = 1 << 20
@@ -72,19 +72,9 @@ def _is_int(value: Any) -> bool:
 
 
 def read_config_file(path: str | os.PathLike, what: str = "config", limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
-    """A JSON object from a small file (a config, a report), refusing one larger than `limit` bytes
-    before reading it: parsing a huge file is as slow as what it would describe."""
-    path = Path(path)
-    size = path.stat().st_size
-    if size > limit:
-        raise ValueError(f"{what} {path} is {size} bytes, more than the {limit} bytes such a file holds; not read")
-    try:
-        value = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{what} {path} is not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} {path} must hold a JSON object, got {type(value).__name__}")
-    return value
+    """A JSON object from a small file (a config, a report): `read_json_object` with a size limit, so
+    a file larger than `limit` bytes is refused before it is read."""
+    return read_json_object(path, what, limit)
 
 
 def _bounded(name: str, value: Any, bound: tuple[int, int, str]) -> str | None:
