@@ -74,7 +74,7 @@ class RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _decoded(path: Path, data: bytes) -> str:
+def _decoded(path: Path, data: bytes, what: str = "recipe") -> str:
     """The recipe's text; bytes that are not UTF-8 are named by line and column (in bytes, from 1)."""
     try:
         return data.decode("utf-8")
@@ -82,31 +82,31 @@ def _decoded(path: Path, data: bytes) -> str:
         line = data.count(b"\n", 0, error.start) + 1
         column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
         raise ValueError(
-            f"recipe {path}: line {line} is not valid UTF-8 (byte 0x{data[error.start]:02x} at column {column})"
+            f"{what} {path}: line {line} is not valid UTF-8 (byte 0x{data[error.start]:02x} at column {column})"
         ) from None
 
 
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """A YAML recipe as a mapping; every problem is one line naming the file (and the line and column where the
-    parser knows them)."""
+def read_recipe(path: str | Path, what: str = "recipe") -> dict[str, Any]:
+    """A YAML recipe as a mapping; every problem is one line naming the file as `what` (and the line and column
+    where the parser knows them). Other YAML settings files (an accelerate config) are read the same way."""
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"recipe {path} is a folder, not a file")
+        raise IsADirectoryError(f"{what} {path} is a folder, not a file")
     if not path.is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
+        raise FileNotFoundError(f"{what} {path} does not exist")
     size = path.stat().st_size
     if size > MAX_RECIPE_BYTES:
-        raise ValueError(f"recipe {path} is {size} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
+        raise ValueError(f"{what} {path} is {size} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
     try:
-        text = _decoded(path, path.read_bytes())
+        text = _decoded(path, path.read_bytes(), what)
     except OSError as error:
-        raise OSError(f"recipe {path} cannot be read: {error.strerror or error}") from None
+        raise OSError(f"{what} {path} cannot be read: {error.strerror or error}") from None
     try:
         recipe = yaml.load(text, Loader=RecipeLoader) or {}  # RecipeLoader is a SafeLoader
     except yaml.YAMLError as error:
-        raise ValueError(f"recipe {path}{_yaml_problem(error)}") from None
+        raise ValueError(f"{what} {path}{_yaml_problem(error)}") from None
     if not isinstance(recipe, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of argument names to values")
+        raise ValueError(f"{what} {path} must be a YAML mapping of argument names to values")
     return recipe
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -23,7 +22,7 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2DecoderLayer
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import PYPI_PREFIX, TargetSource
-from trainer.recipe_files import resolve_path
+from trainer.recipe_files import read_recipe, resolve_path
 
 GIB = 2**30
 FP32 = 4
@@ -265,15 +264,9 @@ def check_pair(draft: DraftFacts, target: TargetFacts) -> None:
 
 
 def read_accelerate_config(path: str) -> dict[str, Any]:
-    """An accelerate config file (`accelerate launch --config_file`) as a mapping."""
-    file = resolve_path(path, "--accelerate-config")
-    try:
-        config = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"--accelerate-config {path} is not valid YAML: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--accelerate-config {path} must be a YAML mapping")
-    return config
+    """An accelerate config file (`accelerate launch --config_file`) as a mapping, read like a recipe
+    (`read_recipe`: no aliases or duplicate keys, every problem naming the file and line)."""
+    return read_recipe(resolve_path(path, "--accelerate-config"), "--accelerate-config")
 
 
 # what `accelerate launch` puts in each process's environment for its FSDP settings, by the
