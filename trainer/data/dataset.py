@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.data.chat import tokenize_chat
 from trainer.data.endpoint import EndpointSettings
 from trainer.data.engine_features import FeatureEndpointSettings, check_engine_layers, prepare_engine_features
-from trainer.data.feature_store import OfflineDataset, prepare_features, store_fingerprint
+from trainer.data.feature_store import OfflineDataset, prepare_features, store_dtype, store_fingerprint
 from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import FrozenTarget, TargetTokenizer
@@ -544,7 +544,7 @@ def build_datasets(args, target: FrozenTarget | TargetTokenizer, layer_ids: Sequ
         check_engine_layers(layer_ids, target.num_layers, final_hidden)
     train, evaluation = token_datasets(args, target)
     if args.offline:
-        dtype = getattr(torch, args.offline_dtype)
+        dtype = store_dtype(args.offline_dtype)
 
         def offline(tokens: datasets.Dataset) -> OfflineDataset:
             if engine is not None:
