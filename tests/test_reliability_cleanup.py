@@ -3,11 +3,16 @@ empty record counts from when the record was seen empty."""
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from trainer import locks
 from trainer.cli import run
+from trainer.locks import FolderInUseError, FolderLock
 from trainer.plan.cli import main as plan_main
 from trainer.plan.facts import read_accelerate_config
 
@@ -47,3 +52,67 @@ def test_the_plan_command_names_a_damaged_accelerate_config_in_one_line(tmp_path
         f"error: --accelerate-config {path}: key 'num_processes' is given twice (first on line 1): keep one "
         "(line 2, column 1)"
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# A same-job waiter's grace for an empty record counts from when it reads it empty
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """`time` for trainer.locks: sleeping advances a fake monotonic clock and runs the holder's
+    scripted steps due by then, so the waiter's polls meet each state at a known time."""
+
+    def __init__(self, steps: list[tuple[float, Callable[[], None]]]):
+        self.now, self.steps = 0.0, sorted(steps, key=lambda step: step[0])
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        while self.steps and self.steps[0][0] <= self.now:
+            self.steps.pop(0)[1]()
+
+    time, strftime, localtime = time.time, time.strftime, time.localtime
+
+
+def same_job_locks(tmp_path, monkeypatch) -> tuple[FolderLock, FolderLock]:
+    """A holder and a waiter of one job on one entry (two open files: flock makes them contend)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    entry = tmp_path / "entry"
+    return locks.lock_cache_entry(entry, "feature store"), locks.lock_cache_entry(entry, "feature store")
+
+
+def clear_record(lock: FolderLock) -> Callable[[], None]:
+    return lambda: os.ftruncate(lock._descriptor, 0)
+
+
+def test_a_waiter_that_has_waited_long_takes_the_lock_its_holder_is_releasing(tmp_path, monkeypatch):
+    holder, waiter = same_job_locks(tmp_path, monkeypatch)
+    holder.acquire()
+    # release() in two halves, 3 s into the wait: the record is cleared, then (100 ms later) unlocked
+    clock = FakeClock([(3.0, clear_record(holder)), (3.1, holder.release)])
+    monkeypatch.setattr(locks, "time", clock)
+    waiter.acquire()  # before the fix: "in use by another run (another process (it recorded no details))"
+    assert waiter.held and 3.1 <= clock.now < 3.2
+    assert waiter.holder()["pid"] == os.getpid()
+    waiter.release()
+
+
+def test_an_empty_record_counts_as_a_stranger_after_the_grace_from_when_it_was_seen(tmp_path, monkeypatch):
+    holder, waiter = same_job_locks(tmp_path, monkeypatch)
+    holder.acquire()
+    record = holder.lock_file.read_text()
+    os.ftruncate(holder._descriptor, 0)  # a holder that has locked but not yet written itself in
+
+    def write_record() -> None:
+        os.pwrite(holder._descriptor, record.encode(), 0)
+
+    # empty 0-1.5 s, its record 1.5-4 s (the grace restarts), then empty while still held
+    clock = FakeClock([(1.5, write_record), (4.0, clear_record(holder))])
+    monkeypatch.setattr(locks, "time", clock)
+    with pytest.raises(FolderInUseError, match=r"in use by another run \(another process \(it recorded no details\)\)"):
+        waiter.acquire()
+    assert 4.0 + locks.EMPTY_RECORD_GRACE_SECONDS <= clock.now < 4.0 + locks.EMPTY_RECORD_GRACE_SECONDS + 0.6
+    holder.release()

@@ -42,7 +42,8 @@ RUN_LOCK_NAME = ".dflash2-run.lock"
 SAME_JOB_POLL_SECONDS = 0.5
 SAME_JOB_WAIT_SECONDS = 24 * 3600.0  # a peer rank regenerating or capturing a large cache entry
 # A holder's record is empty for a moment twice: between its flock and writing itself in, and between
-# clearing it and unlocking. An empty record is read again for this long before it counts as a stranger.
+# clearing it and unlocking. An empty record is read again for this long (from when it was first seen
+# empty) before it counts as a stranger.
 EMPTY_RECORD_GRACE_SECONDS = 2.0
 EMPTY_RECORD_POLL_SECONDS = 0.02
 
@@ -116,7 +117,7 @@ class FolderLock:
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.same_job_wait
-        empty_record_deadline = time.monotonic() + EMPTY_RECORD_GRACE_SECONDS
+        empty_since: float | None = None  # when the holder's record was first read empty, in this stretch
         waited = False
         try:
             while True:
@@ -127,9 +128,16 @@ class FolderLock:
                     if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                         raise
                 holder = self.holder()
-                if not holder and time.monotonic() < empty_record_deadline:
-                    time.sleep(EMPTY_RECORD_POLL_SECONDS)  # taking or releasing the lock: look again
-                    continue
+                if holder:
+                    empty_since = None
+                else:
+                    # the grace counts from when the record was seen empty: a waiter that has waited
+                    # long already may poll while its holder is between clearing it and unlocking
+                    now = time.monotonic()
+                    empty_since = now if empty_since is None else empty_since
+                    if now - empty_since < EMPTY_RECORD_GRACE_SECONDS:
+                        time.sleep(EMPTY_RECORD_POLL_SECONDS)  # taking or releasing the lock: look again
+                        continue
                 mine = job_id()
                 if mine is None or holder.get("job") != mine:
                     raise FolderInUseError(
