@@ -14,14 +14,13 @@ import time
 import uuid
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_target import tiny_conversations, tiny_target
+from tests import feature_store_helpers
+from tests.feature_store_helpers import read_all, refusal, store, token_dataset
 from trainer.data import feature_store
-from trainer.data.chat import tokenize_chat
 from trainer.data.feature_store import (
     FEATURE_INDEX,
     FeatureStoreError,
@@ -35,30 +34,9 @@ from trainer.locks import FolderInUseError, entry_lock_file, lock_cache_entry
 from trainer.models.target import TargetSource, _load_gguf_through_cache
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-def token_dataset(target, count: int = 5) -> datasets.Dataset:
-    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(count)})
-    return conversations.map(lambda s: tokenize_chat(target.tokenizer, s["messages"]), remove_columns=["messages"])
-
-
-@pytest.fixture(scope="module")
-def tokens(target):
-    return token_dataset(target)
-
-
-def store(target, tokens, root: Path, **kwargs) -> Path:
-    return prepare_features(target, tokens, [2, 1], root, batch_size=2, shard_samples=2, **kwargs)
-
-
-def read_all(dataset: OfflineDataset) -> None:
-    for index in range(len(dataset)):
-        dataset[index]
+# the module-scoped fixtures shared with the other feature-store tests
+target = feature_store_helpers.target
+tokens = feature_store_helpers.tokens
 
 
 def rewrite_shard(path: Path, name: str, change) -> Path:
@@ -67,12 +45,6 @@ def rewrite_shard(path: Path, name: str, change) -> Path:
     tensors[name] = change(tensors[name]).contiguous()
     save_file(tensors, path)
     return path
-
-
-def refusal(dataset: OfflineDataset, index: int) -> str:
-    with pytest.raises(FeatureStoreError) as caught:
-        dataset[index]
-    return str(caught.value)
 
 
 def test_the_store_records_its_fingerprint_and_per_sample_statistics(target, tokens, tmp_path):

@@ -14,13 +14,12 @@ import textwrap
 import time
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.tiny_target import tiny_conversations, tiny_target
-from trainer.data.chat import tokenize_chat
+from tests import feature_store_helpers
+from tests.feature_store_helpers import read_all, refusal, store, token_dataset
 from trainer.data.feature_store import (
     FEATURE_INDEX,
     FeatureStoreError,
@@ -28,43 +27,15 @@ from trainer.data.feature_store import (
     ShardWriter,
     feature_store_path,
     file_sha256,
-    prepare_features,
     store_fingerprint,
     tensor_statistics,
 )
 from trainer.locks import entry_lock_file, lock_cache_entry
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-def token_dataset(target, count: int = 5) -> datasets.Dataset:
-    conversations = datasets.Dataset.from_dict({"messages": tiny_conversations(count)})
-    return conversations.map(lambda s: tokenize_chat(target.tokenizer, s["messages"]), remove_columns=["messages"])
-
-
-@pytest.fixture(scope="module")
-def tokens(target):
-    return token_dataset(target)
-
-
-def store(target, tokens, root: Path, **kwargs) -> Path:
-    return prepare_features(target, tokens, [2, 1], root, batch_size=2, shard_samples=2, **kwargs)
-
-
-def read_all(dataset: OfflineDataset) -> None:
-    for index in range(len(dataset)):
-        dataset[index]
-
-
-def refusal(dataset: OfflineDataset, index: int) -> str:
-    with pytest.raises(FeatureStoreError) as caught:
-        dataset[index]
-    return str(caught.value)
+# the module-scoped fixtures shared with the other feature-store tests
+target = feature_store_helpers.target
+tokens = feature_store_helpers.tokens
 
 
 def test_a_negated_shard_with_reversed_rows_is_refused_by_its_sha256(target, tokens, tmp_path):

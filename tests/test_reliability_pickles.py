@@ -174,16 +174,27 @@ def test_a_target_folder_with_pickle_weights_only_is_refused(tmp_path, target, n
     assert_conversion_line(str(refused.value), folder)
 
 
-def test_the_export_cli_refuses_pickle_weights_in_one_line(tmp_path, recipe_config, target, capsys):
+def saved_checkpoint(tmp_path: Path, recipe_config) -> Path:
+    """A trained-looking draft checkpoint (random weights) at tmp_path/run."""
     checkpoint = tmp_path / "run"
     randomize(DFlash2DraftModel(recipe_config), seed=3).save_pretrained(checkpoint)
-    to_pickle(checkpoint)
+    return checkpoint
+
+
+def export_cli_errors(checkpoint: Path, target, tmp_path: Path, capsys) -> list[str]:
+    """`dflash2 export` of `checkpoint` for the tiny target, which must exit 2: its `error:` lines."""
     folder = tmp_path / "target"
     target.model.save_pretrained(folder)
     with pytest.raises(SystemExit) as exit_info:
         run(export_command.main, [str(checkpoint), str(tmp_path / "export"), "--target", str(folder)])
     assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_the_export_cli_refuses_pickle_weights_in_one_line(tmp_path, recipe_config, target, capsys):
+    checkpoint = saved_checkpoint(tmp_path, recipe_config)
+    to_pickle(checkpoint)
+    errors = export_cli_errors(checkpoint, target, tmp_path, capsys)
     assert len(errors) == 1 and errors[0].startswith(f"error: {checkpoint} {PICKLE_ONLY}"), errors
     assert not (tmp_path / "export").exists()
 
@@ -243,15 +254,9 @@ def test_a_state_log_with_odd_entries_keeps_the_evaluations(tmp_path):
 
 
 def test_the_export_cli_names_a_recorded_recipe_that_is_a_list(tmp_path, recipe_config, target, capsys):
-    checkpoint = tmp_path / "run"
-    randomize(DFlash2DraftModel(recipe_config), seed=3).save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path, recipe_config)
     (checkpoint / RECIPE_FILE).write_text("[]")
-    folder = tmp_path / "target"
-    target.model.save_pretrained(folder)
-    with pytest.raises(SystemExit) as exit_info:
-        run(export_command.main, [str(checkpoint), str(tmp_path / "export"), "--target", str(folder)])
-    assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    errors = export_cli_errors(checkpoint, target, tmp_path, capsys)
     assert errors == [f"error: recorded recipe {checkpoint / RECIPE_FILE} holds a list, not an object (JSON)"]
 
 
