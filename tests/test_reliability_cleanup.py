@@ -1,18 +1,23 @@
-"""Loose ends of issue 31: settings files are read like recipes, and a folder lock's grace for an
-empty record counts from when the record was seen empty."""
+"""Loose ends of issue 31: settings files are read like recipes, a folder lock's grace for an empty
+record counts from when the record was seen empty, and a converted GGUF target is never unpickled."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from tests.tiny_target import tiny_target
 from trainer import locks
 from trainer.cli import run
 from trainer.locks import FolderInUseError, FolderLock
+from trainer.models.target import TargetSource, _load_gguf_through_cache, converted_gguf_path
 from trainer.plan.cli import main as plan_main
 from trainer.plan.facts import read_accelerate_config
 
@@ -116,3 +121,34 @@ def test_an_empty_record_counts_as_a_stranger_after_the_grace_from_when_it_was_s
         waiter.acquire()
     assert 4.0 + locks.EMPTY_RECORD_GRACE_SECONDS <= clock.now < 4.0 + locks.EMPTY_RECORD_GRACE_SECONDS + 0.6
     holder.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# A GGUF target's converted cache entry is loaded as safetensors only, like every other checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_converted_gguf_entry_holding_only_pickle_weights_is_refused(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    source = TargetSource(str(tmp_path), "model.gguf")
+    converted = converted_gguf_path(source, tmp_path / "cache")
+    tiny = tiny_target()
+    tiny.model.save_pretrained(converted)
+    tiny.tokenizer.save_pretrained(converted)
+    weights = converted / "model.safetensors"  # replaced by a pickle: what a tampered cache could hold
+    torch.save(load_file(weights), converted / "pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(converted))} holds only pickle weights \(pytorch_model"):
+        _load_gguf_through_cache(source, torch.float32, tmp_path / "cache")
+
+
+def test_a_converted_gguf_entry_is_loaded_from_its_safetensors(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    source = TargetSource(str(tmp_path), "model.gguf")
+    converted = converted_gguf_path(source, tmp_path / "cache")
+    tiny = tiny_target()
+    tiny.model.save_pretrained(converted)
+    tiny.tokenizer.save_pretrained(converted)
+    model, _ = _load_gguf_through_cache(source, torch.float32, tmp_path / "cache")
+    expected = tiny.model.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in model.state_dict().items())

@@ -189,7 +189,9 @@ def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_roo
         with lock_cache_entry(converted, "converted target"):
             if not (converted / "config.json").exists():  # else converted by the holder we waited for
                 _convert_gguf(source, dtype, converted)
-    return AutoModelForCausalLM.from_pretrained(converted, dtype=dtype), AutoTokenizer.from_pretrained(converted)
+    check_checkpoint_weights(converted)  # a damaged cache entry is named; its weights are safetensors only
+    model = from_pretrained_safetensors(AutoModelForCausalLM, converted, "converted target", dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(converted)
 
 
 def _convert_gguf(source: TargetSource, dtype: torch.dtype, converted: Path) -> None:
