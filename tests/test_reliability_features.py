@@ -4,6 +4,7 @@ capture killed mid-way leaves nothing the next capture keeps; an unknown dtype i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,13 +27,19 @@ from trainer.data.feature_store import (
     OfflineDataset,
     ShardWriter,
     feature_store_path,
-    file_sha256,
     store_fingerprint,
     tensor_statistics,
 )
 from trainer.locks import entry_lock_file, lock_cache_entry
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256 read whole: a second, plain implementation to check the stores against."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 # the module-scoped fixtures shared with the other feature-store tests
 target = feature_store_helpers.target
 tokens = feature_store_helpers.tokens

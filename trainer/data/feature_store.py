@@ -46,6 +46,7 @@ from trainer.fileio import (
     digest,
     format_bytes,
     reporting_disk_full,
+    sha256_file,
     write_directory_atomically,
 )
 from trainer.locks import FolderInUseError, FolderLock, entry_lock_file, lock_cache_entry
@@ -71,7 +72,6 @@ STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The two feature tensors of a sample: (name prefix in a shard, column of the recorded statistics).
 SAMPLE_TENSORS = (("sample", 0), ("final", 2))
 TOKENS_PREFIX = "tokens"  # a sample's token ids (int64 [tokens]), checked against the dataset's
-HASH_CHUNK_BYTES = 8 << 20
 # A capture's temporary folder (`write_directory_atomically`: "." + entry + "." + mkdtemp's 8 characters);
 # entries are named by `digest` (20 hex digits).
 STAGING_NAME = re.compile(r"\.(?P<entry>[0-9a-f]{20})\.[a-z0-9_]{8}")
@@ -102,17 +102,6 @@ def store_dtype(dtype: torch.dtype | str) -> torch.dtype:
     choices = ", ".join(dtype_name(choice) for choice in STORE_DTYPES)
     shown = dtype_name(dtype) if isinstance(dtype, torch.dtype) else repr(dtype)[:40]
     raise ValueError(f"offline_dtype: {shown} is not a dtype a feature store holds (one of {choices})")
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, streamed in chunks (a shard can be many GiB)."""
-    hasher = hashlib.sha256()
-    buffer = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buffer)
-    with Path(path).open("rb", buffering=0) as file:
-        while count := file.readinto(buffer):
-            hasher.update(view[:count])
-    return hasher.hexdigest()
 
 
 def store_fingerprint(
@@ -284,7 +273,7 @@ class ShardWriter:
         self.directory, self.entry, self.total = directory, entry, total
         self.shard_samples, self.on_shard, self.kept = shard_samples, on_shard, kept
         self.shards = [
-            shard if "sha256" in shard else {**shard, "sha256": file_sha256(directory / shard["file"])}
+            shard if "sha256" in shard else {**shard, "sha256": sha256_file(directory / shard["file"])}
             for shard in shards or []
         ]
         self.captured = sum(len(shard["samples"]) for shard in self.shards)
@@ -528,7 +517,7 @@ class OfflineDataset(torch.utils.data.Dataset):
         recorded = self.digests.get(shard)
         if recorded is not None:
             try:
-                actual = file_sha256(path)
+                actual = sha256_file(path)
             except OSError as error:
                 raise self._error(f"{path} cannot be read ({error})") from None
             if actual != recorded:
