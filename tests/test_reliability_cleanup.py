@@ -128,13 +128,19 @@ def test_an_empty_record_counts_as_a_stranger_after_the_grace_from_when_it_was_s
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_converted_gguf_entry_holding_only_pickle_weights_is_refused(tmp_path):
+def converted_tiny_entry(tmp_path):
+    """A GGUF source and its converted cache entry, filled with the tiny target's safetensors."""
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     source = TargetSource(str(tmp_path), "model.gguf")
     converted = converted_gguf_path(source, tmp_path / "cache")
     tiny = tiny_target()
     tiny.model.save_pretrained(converted)
     tiny.tokenizer.save_pretrained(converted)
+    return source, converted, tiny
+
+
+def test_a_converted_gguf_entry_holding_only_pickle_weights_is_refused(tmp_path):
+    source, converted, _ = converted_tiny_entry(tmp_path)
     weights = converted / "model.safetensors"  # replaced by a pickle: what a tampered cache could hold
     torch.save(load_file(weights), converted / "pytorch_model.bin")
     weights.unlink()
@@ -143,12 +149,7 @@ def test_a_converted_gguf_entry_holding_only_pickle_weights_is_refused(tmp_path)
 
 
 def test_a_converted_gguf_entry_is_loaded_from_its_safetensors(tmp_path):
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    source = TargetSource(str(tmp_path), "model.gguf")
-    converted = converted_gguf_path(source, tmp_path / "cache")
-    tiny = tiny_target()
-    tiny.model.save_pretrained(converted)
-    tiny.tokenizer.save_pretrained(converted)
+    source, _, tiny = converted_tiny_entry(tmp_path)
     model, _ = _load_gguf_through_cache(source, torch.float32, tmp_path / "cache")
     expected = tiny.model.state_dict()
     assert all(torch.equal(tensor, expected[name]) for name, tensor in model.state_dict().items())

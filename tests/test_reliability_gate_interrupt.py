@@ -16,9 +16,8 @@ import pytest
 import yaml
 
 from benchmarks.openai_loopback import LoopbackOpenAI
-from modeling_dflash2 import DFlash2DraftModel
-from tests.distributed.tiny_setup import write_tiny_run
-from tests.tiny_target import tiny_draft_config_for, tiny_target
+from tests import test_reliability_gate
+from tests.tiny_target import tiny_target
 from trainer.cli import run
 from trainer.commands import COMMANDS, UNKNOWN_KEPT
 
@@ -135,12 +134,7 @@ def assert_one_interrupted_line(text: str, status: int, kept: str) -> None:
     assert text.rstrip("\n").splitlines()[-1] == lines[0]  # the last word, not followed by noise
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("interrupt")
-    write_tiny_run(root)
-    DFlash2DraftModel(tiny_draft_config_for(tiny_target())).save_pretrained(root / "checkpoint")
-    return root
+base = test_reliability_gate.base  # the tiny run and saved draft, shared with the gate tests
 
 
 @pytest.mark.slow

@@ -336,8 +336,8 @@ PICKLE_WEIGHTS = r"pytorch_model.*\.bin|adapter_model\.bin"
 
 def refuse_pickle_only_weights(directory: Path) -> None:
     """Refuse a local checkpoint whose only weights are pickles, naming them and a command that
-    converts them: nothing a user or the Hub supplies is unpickled, not even by torch's weights-only
-    unpickler (a crafted file ends in a traceback advising `weights_only=False`)."""
+    converts them where the user trusts the file: nothing a user or the Hub supplies is unpickled
+    here, not even by torch's weights-only unpickler, which still parses whatever bytes it is given."""
     names = {path.name for path in directory.iterdir()}
     pickles = sorted(name for name in names if re.fullmatch(PICKLE_WEIGHTS, name))
     if not pickles and PICKLE_INDEX not in names:
