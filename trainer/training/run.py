@@ -26,7 +26,7 @@ from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
 from trainer.data.packing import PackedDataset
 from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.models.draft import build_draft, check_draft_for_target
+from trainer.models.draft import build_draft, check_draft_for_target, load_draft_config
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
@@ -139,6 +139,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     transformers.set_seed(training_args.seed)
     liveness = start_watchdog(training_args)  # each rank watches the others from here on (rank_stall_timeout)
     check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
+    load_draft_config(model_args)  # the draft config's rules and the export's, before the target loads
     check_run_fits(model_args, data_args, training_args)  # the planner's estimate against this device's memory
 
     target = FrozenTarget.load(
