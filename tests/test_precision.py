@@ -39,15 +39,53 @@ def test_bf16_and_fp16_together_are_one_clear_error(tmp_path):
         _arguments(tmp_path, bf16=True, fp16=True)
 
 
-def test_cpu_launch_clears_what_it_cannot_run_in_one_warning_line(tmp_path, caplog):
-    args = _arguments(tmp_path, bf16=True, tf32=True)
+def _cpu_warnings(caplog, args) -> list[str]:
     with caplog.at_level(logging.WARNING, logger=precision.__name__):
         precision.apply_at_launch(args)
-    lines = [record.getMessage() for record in caplog.records if record.name == precision.__name__]
-    assert len(lines) == 1
-    assert "bf16 (from the recipe) runs as float32" in lines[0] and "tf32 is off" in lines[0] and "CPU" in lines[0]
-    assert (args.bf16, args.fp16, args.mixed_precision, args.tf32) == (False, False, "no", None)
+    return [record.getMessage() for record in caplog.records if record.name == precision.__name__]
+
+
+def test_bf16_runs_on_cpu_and_tf32_is_off_in_one_warning_line(tmp_path, caplog):
+    args = _arguments(tmp_path, bf16=True, tf32=True)
+    lines = _cpu_warnings(caplog, args)
+    assert lines == ["precision: tf32 is off: TF32 is an NVIDIA GPU format (the run is on CPU)"]
+    assert (args.bf16, args.fp16, args.mixed_precision, args.tf32) == (True, False, "bf16", None)
     assert args.requested_precision == {"bf16": True, "fp16": False, "tf32": True}  # what was asked stays known
+
+
+def test_bf16_alone_on_cpu_is_silent(tmp_path, caplog):
+    args = _arguments(tmp_path, bf16=True)
+    assert _cpu_warnings(caplog, args) == []
+    assert args.bf16 is True and args.mixed_precision == "bf16"
+
+
+def test_fp16_on_cpu_runs_as_float32_with_one_line_saying_why(tmp_path, caplog):
+    """accelerate 1.15 enables fp16 mixed precision only off CPU: left on, it would train float32 silently."""
+    args = _arguments(tmp_path, fp16=True)
+    lines = _cpu_warnings(caplog, args)
+    assert len(lines) == 1
+    assert lines[0].startswith("precision: fp16 (from the recipe) runs as float32: accelerate runs fp16 mixed ")
+    assert "bf16 runs on CPU" in lines[0]
+    assert (args.bf16, args.fp16, args.mixed_precision) == (False, False, "no")
+
+
+def test_accelerate_really_has_no_fp16_on_cpu_but_has_bf16():
+    """What the fp16 line claims, checked against accelerate itself (its CPU state, no process group)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    try:
+        AcceleratorState._reset_state(reset_partial_state=True)  # whatever an earlier test left
+        half = Accelerator(cpu=True, mixed_precision="fp16")
+        assert half.native_amp is False and half.scaler is None  # nothing would run in fp16
+        AcceleratorState._reset_state(reset_partial_state=True)
+        bf16 = Accelerator(cpu=True, mixed_precision="bf16")
+        assert bf16.native_amp is True
+        with bf16.autocast():
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._reset_state()
 
 
 def test_cpu_launch_in_float32_is_silent(tmp_path, caplog):
@@ -102,14 +140,16 @@ def test_tf32_is_applied_where_the_gpu_has_it(caplog, monkeypatch):
 
 
 def test_the_trainer_applies_precision_before_accelerate_is_built(tmp_path, caplog):
-    """A bf16 recipe on this CPU machine: the trainer's accelerator runs without mixed precision."""
+    """A bf16 + tf32 recipe on this CPU machine: the trainer's accelerator runs bf16 (CPU autocast), tf32 is
+    off in one line."""
     from modeling_dflash2 import DFlash2DraftModel
     from tests.tiny_target import tiny_draft_config_for, tiny_target
     from trainer.training.trainer import DFlash2Trainer
 
     target = tiny_target()
-    args = _arguments(tmp_path, bf16=True, num_anchors=4)
+    args = _arguments(tmp_path, bf16=True, tf32=True, num_anchors=4)
     with caplog.at_level(logging.WARNING, logger=precision.__name__):
         trainer = DFlash2Trainer(model=DFlash2DraftModel(tiny_draft_config_for(target)), args=args, target=target)
-    assert trainer.accelerator.mixed_precision == "no" and trainer.args.bf16 is False
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.native_amp is True
+    assert trainer.args.bf16 is True and trainer.args.tf32 is None
     assert [record.name for record in caplog.records].count(precision.__name__) == 1

@@ -16,7 +16,9 @@ The LM head runs in chunks of blocks, fused with the cross-entropy (`trainer.obj
 gradient is formed in the forward pass, so no chunk's logits outlive it), and the selector term
 runs under activation checkpointing, so peak memory does not grow with N * B * V. Everything is
 returned as additive (numerator, denominator) pairs that pool exactly across chunks,
-micro-batches and ranks.
+micro-batches and ranks: every sum is float32, whatever precision the draft ran in (bf16 autocast or
+an FSDP2 bf16 policy make the per-token terms bf16-derived, never their sums), and `draft_objective`
+refuses a sum that comes back narrower (`metrics.check_pooled`), e.g. cast by a wrapper's output policy.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sampl
 from trainer.objective.config import ObjectiveConfig, selector_chunk_blocks
 from trainer.objective.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
 from trainer.objective.masks import attention_masks
-from trainer.objective.metrics import MetricTerms, selector_terms, unary_terms
+from trainer.objective.metrics import MetricTerms, check_pooled, pooled_sums, selector_terms, unary_terms
 
 OBJECTIVE_LABEL = "dflash2::objective"  # profiler label: LM head, losses and metrics inside the draft forward
 
 
 def decay_weights(block_size: int, gamma: float | None, device: torch.device | None = None) -> torch.Tensor:
-    """[B] position weights exp(-(k - 1) / gamma) for k >= 1 (slot 0 is never scored)."""
+    """[B] float32 position weights exp(-(k - 1) / gamma) for k >= 1 (slot 0 is never scored)."""
     if gamma is None:
-        return torch.ones(block_size, device=device)
-    return torch.tensor([math.exp(-max(slot - 1, 0) / gamma) for slot in range(block_size)], device=device)
+        return torch.ones(block_size, dtype=torch.float32, device=device)
+    values = [math.exp(-max(slot - 1, 0) / gamma) for slot in range(block_size)]
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def dpace_weights(nll: torch.Tensor, weights: torch.Tensor, alpha: float, weighting: str = "full") -> torch.Tensor:
@@ -78,6 +81,10 @@ class ObjectiveResult:
     def as_dict(self) -> dict:
         """A plain nested dict (a pytree DDP/FSDP2 can see through) of the same values."""
         return dict(self.__dict__)
+
+    def check_pooled(self) -> None:
+        """Every sum that is pooled (numerator, denominator, each metric pair) is float32 or wider."""
+        check_pooled({"numerator": self.numerator, "denominator": self.denominator, **pooled_sums(self.terms)})
 
 
 @dataclass
@@ -260,7 +267,8 @@ class _SelectorTerm:
         predecessors = labels[:, :-1]  # slot 1's predecessor is the anchor
         scores = self.selector.score_candidates(hidden, candidate_ids, unary, predecessors).scores
         cross_entropy = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[..., None])[..., 0]
-        return (cross_entropy * selector_weight).sum(), scores.detach()
+        # per-slot terms in the draft's precision (bf16 under autocast), their weighted sum in float32
+        return (cross_entropy.float() * selector_weight).sum(), scores.detach()
 
 
 def _metrics(labels: torch.Tensor, weights: torch.Tensor, head: _HeadPass, selector: _SelectorPass | None):
@@ -287,12 +295,13 @@ def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig, decay: torc
     """The loss normaliser, a function of the block weights [..., B] alone, so a trainer can pool it
     over micro-batches and ranks before any forward pass: sum w * decay for CE, and the number of
     supervised slots sum w for D-PACE (whose own weights depend on the model)."""
+    weights = weights.float()  # summed in float32, not in the weights' own dtype
     if config.loss_type == "dpace":
-        return weights.sum().float()
+        return weights.sum()
     if decay is None:
         block_size = weights.shape[-1]
         decay = decay_weights(block_size, config.resolved_gamma(block_size), weights.device)
-    return (weights * decay).sum().float()
+    return (weights * decay).sum()
 
 
 def head_weight(output_head: nn.Module | torch.Tensor) -> torch.Tensor:
@@ -402,7 +411,8 @@ def draft_objective(
     for rows of one document. Anchors come from `anchors`
     ((anchors, keep), e.g. drawn ahead by a trainer) or are drawn here with `draw`; `draw=None`
     takes every valid position in order (evaluation). `forward_module` is the (possibly DDP/FSDP
-    wrapped) module to call; the objective runs inside its forward.
+    wrapped) module to call; the objective runs inside its forward, and what comes back is checked
+    to still be float32 (`ObjectiveResult.check_pooled`): an output cast would make pooling inexact.
     """
     settings = draft.dflash
     if anchors is None:
@@ -423,4 +433,6 @@ def draft_objective(
         attention_mask=masks,
         output_transform=objective,
     )
-    return ObjectiveResult(**outputs)
+    result = ObjectiveResult(**outputs)
+    result.check_pooled()
+    return result

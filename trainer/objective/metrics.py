@@ -1,9 +1,14 @@
 """Training metrics as additive (numerator, denominator) pairs (docs/objective.md §9, Metrics).
 
 Pairs add across chunks, micro-batches and ranks; a ratio is taken only at the end, so pooled
-numbers are exact however the work was split. Acceptance lengths use the strict convention: the
-leading run of correct slots over 1..B-1, the first unscored slot ends the run, blocks with no
-scored slot are not counted, and the target's bonus token adds 1.
+numbers are exact however the work was split. That needs wide sums: every pair is float32 as the
+objective forms it (`check_pooled` refuses anything narrower, e.g. a bf16 cast of the draft's
+outputs by a mixed-precision wrapper), and sums kept over many steps (a logging interval, a whole
+evaluation) are float64 (`accumulation_dtype`), where counts past 2^24 stay exact.
+
+Acceptance lengths use the strict convention: the leading run of correct slots over 1..B-1, the
+first unscored slot ends the run, blocks with no scored slot are not counted, and the target's
+bonus token adds 1.
 """
 
 from __future__ import annotations
@@ -11,12 +16,41 @@ from __future__ import annotations
 import torch
 
 MetricTerms = dict[str, tuple[torch.Tensor, torch.Tensor]]
+POOLED_DTYPES = (torch.float32, torch.float64)
 # A term whose numerator and denominator are vectors (accuracy_position) counts per proposal slot
 # 1..B-1; it is logged as `<name>_<slot>`.
 
 
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """float64 for sums kept over many steps (gloo and NCCL both all-reduce it); float32 on Apple's MPS,
+    which has no float64 (counts there stay exact up to 2^24)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def check_pooled(sums: dict[str, torch.Tensor]) -> None:
+    """Refuse a pooled sum narrower than float32, at once: in bf16 a loss numerator is off by ~1e-3 and
+    a count past 256 is rounded, so pooling over micro-batches and ranks would silently stop being
+    exact. Costs a dtype comparison per sum (no device sync)."""
+    for name, value in sums.items():
+        if value.dtype not in POOLED_DTYPES:
+            raise ValueError(
+                f"pooled sum {name!r} of the objective is {value.dtype}, not float32: something cast the draft's "
+                "outputs (an FSDP2 MixedPrecisionPolicy with output_dtype set, or a custom wrapper); leave the "
+                "draft's outputs uncast (output_dtype None), as DFlash2Trainer does for accelerate's policy"
+            )
+
+
+def pooled_sums(terms: MetricTerms) -> dict[str, torch.Tensor]:
+    """Every numerator and denominator of `terms` by a readable name (what `check_pooled` checks)."""
+    sums = {}
+    for name, (numerator, denominator) in terms.items():
+        sums[f"{name} numerator"], sums[f"{name} denominator"] = numerator, denominator
+    return sums
+
+
 def add_terms(total: MetricTerms, new: MetricTerms) -> MetricTerms:
-    """Sum `new` into `total` (in place) and return it."""
+    """Sum `new` into `total` (in place) and return it; every sum must be float32 or float64."""
+    check_pooled(pooled_sums(new))
     for name, (numerator, denominator) in new.items():
         if name in total:
             old_numerator, old_denominator = total[name]
@@ -28,14 +62,15 @@ def add_terms(total: MetricTerms, new: MetricTerms) -> MetricTerms:
 
 def flatten_terms(terms: MetricTerms) -> tuple[list[str], torch.Tensor]:
     """(log names, [2, m] numerators and denominators): one tensor to all-reduce across ranks, with a
-    per-slot term expanded to one name per slot."""
+    per-slot term expanded to one name per slot. float64 if any sum is (else float32): never narrowed."""
+    check_pooled(pooled_sums(terms))
     names, columns = [], []
     for name in sorted(terms):
         numerator, denominator = terms[name]
-        pair = torch.stack([numerator, denominator]).float().reshape(2, -1)
+        pair = torch.stack([numerator, denominator]).reshape(2, -1)
         names += [name] if numerator.dim() == 0 else [f"{name}_{slot + 1}" for slot in range(pair.shape[1])]
         columns.append(pair)
-    return names, torch.cat(columns, dim=1) if columns else torch.zeros(2, 0)
+    return names, torch.cat(columns, dim=1) if columns else torch.zeros(2, 0)  # cat promotes float32 to float64
 
 
 def ratios(names: list[str], pairs: torch.Tensor) -> dict[str, float]:

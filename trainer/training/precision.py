@@ -13,17 +13,28 @@ moments are kept apart:
   `mixed_precision: bf16`. The one check kept is transformers' "at most one of bf16 and fp16".
   What was asked is also kept in `args.requested_precision`.
 - Launch (`apply_at_launch`, from `DFlash2Trainer.__init__` before accelerate is set up): what the
-  device cannot run is cleared from the arguments (bf16 needs a CUDA GPU with bf16, fp16 a CUDA GPU,
-  tf32 an Ampere or newer GPU; a CPU run trains in float32, as this project's CPU runs do), with one
-  warning line naming what was requested and what runs instead; `tf32` is applied where it is
-  available, as transformers would. From then on the arguments say what runs, so the recorded recipe
-  and `training_args.bin` hold the run's real precision. A CUDA run left in float32 with no mixed
-  precision from the recipe or from accelerate (`mixed_precision`) warns once, suggesting `bf16: true`.
+  device cannot run is cleared from the arguments, with one warning line naming what was requested
+  and what runs instead: bf16 on a GPU without bf16 (pre-Ampere), tf32 on a GPU without TF32 or on
+  CPU (an NVIDIA format), fp16 on CPU (accelerate 1.15 enables fp16 mixed precision only on
+  accelerators: on CPU it would silently train in float32, though torch's CPU autocast has fp16).
+  bf16 runs on CPU: accelerate's CPU autocast (`torch.autocast("cpu", torch.bfloat16)`), or under
+  FSDP2 its bf16 `MixedPrecisionPolicy` (parameters gathered and gradients reduced in bf16); slower
+  than float32 on most CPUs, but it is how a bf16 recipe is rehearsed before a GPU is rented.
+  `tf32` is applied where it is available, as transformers would. From then on the arguments say
+  what runs, so the recorded recipe and `training_args.bin` hold the run's real precision. A CUDA
+  run left in float32 with no mixed precision from the recipe or from accelerate (`mixed_precision`)
+  warns once, suggesting `bf16: true`.
   Other accelerators (XPU, MPS, ...) are left to transformers and accelerate.
+- Once accelerate is set up (`leave_draft_outputs_uncast`, from `DFlash2Trainer.__init__`): accelerate's
+  FSDP2 policy for bf16 casts every wrapped module's outputs to bf16 (`output_dtype`), the root's too,
+  and the draft's root forward returns the objective's sums (`output_transform`); their cast is
+  dropped, so the loss numerator, its denominator and every metric sum stay float32 (pooling is exact)
+  while parameters and gradient reductions keep the policy's dtypes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -55,10 +66,17 @@ def post_init_without_device_checks(args: Any, post_init: Callable[[], None]) ->
     args.requested_precision = requested
 
 
+CPU_LIMITS = {
+    "fp16": "accelerate runs fp16 mixed precision only on GPUs (on CPU it would silently train in float32); "
+    "bf16 runs on CPU",
+    "tf32": "TF32 is an NVIDIA GPU format (the run is on CPU)",
+}
+
+
 def _unsupported(name: str, device: torch.device) -> str | None:
     """Why `device` cannot run `name` (None: it can, or it is left to accelerate)."""
     if device.type == "cpu":
-        return "the run is on CPU"
+        return CPU_LIMITS.get(name)  # bf16: accelerate's CPU autocast, or its FSDP2 bf16 policy
     if device.type != "cuda":
         return None
     if name == "bf16" and not is_torch_bf16_gpu_available():
@@ -92,4 +110,21 @@ def apply_at_launch(args: Any) -> None:
         logger.warning(
             "precision: this CUDA run trains in float32 without mixed precision; set bf16: true in the recipe "
             "(or mixed_precision: bf16 in the accelerate config) to train faster in less memory"
+        )
+
+
+def leave_draft_outputs_uncast(fsdp_plugin: Any) -> None:
+    """Drop the output cast (`output_dtype`) of an FSDP2 mixed-precision policy before the draft is
+    wrapped: the draft's forward returns the objective, whose float32 sums a bf16 cast would round
+    (`trainer.objective.metrics.check_pooled` refuses them). Parameters and reductions are unchanged;
+    the decoder layers' outputs are bf16 anyway (they compute in `param_dtype`). No-op without FSDP2
+    or without a policy."""
+    if fsdp_plugin is None or getattr(fsdp_plugin, "fsdp_version", None) != 2:
+        return
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    if policy is not None and getattr(policy, "output_dtype", None) is not None:
+        fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, output_dtype=None)
+        logger.debug(
+            "precision: FSDP2 output_dtype %s dropped: the draft's outputs (the objective's float32 sums) stay uncast",
+            policy.output_dtype,
         )

@@ -9,7 +9,9 @@ backward and averaged over ranks by DDP/FSDP, that is exactly the pooled loss's 
 `loss_is_scaled_for_ga = True` and no `labels` key.
 
 Metrics are additive (numerator, denominator) pairs kept per mode and reduced across processes in
-`log()`, so `tau_walk` in training and `eval_tau_walk` in evaluation are pooled exactly too.
+`log()`, so `tau_walk` in training and `eval_tau_walk` in evaluation are pooled exactly too. Every
+sum is float32 as the objective returns it, whatever the precision (FSDP2's output cast is dropped:
+`precision.leave_draft_outputs_uncast`), and float64 over a logging interval or an evaluation.
 
 No non-finite step is ever saved. Before each optimizer step the gradient norm HF computes anyway
 (global across ranks) and the step's losses are checked, with one scalar all-reduce when there
@@ -46,7 +48,7 @@ from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective.config import selector_alpha_at
 from trainer.objective.loss import ObjectiveResult, configure_selector_training, draft_objective, loss_denominator
-from trainer.objective.metrics import MetricTerms, add_terms, flatten_terms, ratios
+from trainer.objective.metrics import MetricTerms, accumulation_dtype, add_terms, flatten_terms, ratios
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import RECIPE_FILE, export_draft, remove_secrets
 from trainer.publishing.hub import PushExportOnSaveCallback, publish
@@ -112,7 +114,8 @@ class DFlash2Trainer(Trainer):
         self.last_checkpoint: Path | None = None
         self.preemption = PreemptionCallback(self.args.process_index)
         self.add_callback(self.preemption)
-        self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
+        self._metric_sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}  # float64 (accumulation_dtype)
+        leave_draft_outputs_uncast(getattr(self.accelerator.state, "fsdp_plugin", None))  # before the draft is wrapped
         self._selector_alpha: float | None = None
         self._step_loss_finite: torch.Tensor | None = None  # of the micro-batches of the step in progress
         self.skipped_steps: list[int] = []
@@ -181,7 +184,11 @@ class DFlash2Trainer(Trainer):
         draft = self.accelerator.unwrap_model(model)
         result = self._objective(model, draft, inputs)
         mode = "train" if model.training else "eval"
-        add_terms(self._metric_sums[mode], {k: (n.detach(), d.detach()) for k, (n, d) in result.terms.items()})
+        wide = accumulation_dtype(self.args.device)  # counts over a logging interval can pass 2^24
+        add_terms(
+            self._metric_sums[mode],
+            {k: (n.detach().to(wide), d.detach().to(wide)) for k, (n, d) in result.terms.items()},
+        )
         if model.training and "loss_denominator" in inputs:
             denominator = inputs["loss_denominator"]
             loss = result.numerator * self.accelerator.num_processes / denominator.clamp(min=1e-12)
