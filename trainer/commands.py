@@ -42,6 +42,12 @@ COMMANDS: dict[str, Command] = {
         "per-rank memory of a training run, from the recipe and configs alone",
         "nothing was written (plan only reads)",
     ),
+    "rehearse": Command(
+        "trainer.rehearsal.command",
+        "run a recipe here at tiny widths, as its GPU run will: every check, and what only a GPU shows",
+        "the rehearsal's workspace (printed first) keeps what finished; nothing of the recipe's own was written; "
+        f"{RERUN}",
+    ),
     "prepare": Command(
         "trainer.data.prepare",
         "answer the prompts and capture target features ahead of training",

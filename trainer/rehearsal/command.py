@@ -1,0 +1,437 @@
+"""Run a recipe on this machine the way its GPU run will, before any GPU is rented.
+
+dflash2 rehearse RECIPE [--ranks N] [--accelerate-config FILE] [--target DIR] [--output DIR]
+    [--gpu-memory-gb G] [--timeout-s S]
+
+The same target and draft architectures at a tiny width (random weights, same layer types, head
+ratios and head sizes, vocabulary kept), the recipe's own dataset and chat template on its first
+rows (a local stand-in when the Hub is unreachable), every other recipe key kept, bf16 and FSDP2 as
+the accelerate config says, on N CPU ranks launched with `accelerate launch`: two optimizer steps, a
+checkpoint, a resume from step 1, an export with its contract validation and a reload; plus the
+config rules and the memory plan for the real sizes, and flex_attention's forward against sdpa.
+Each check prints one line (ok, FAILED, or not checked here), then what only a GPU can show.
+Exit status: 0 every check that can run here passed, 1 one failed, 2 bad input.
+
+--target DIR overrides the recipe's target (a folder holding its config.json is enough, as for
+`dflash2 plan`). --output DIR is the rehearsal's workspace (default: rehearsals/<recipe name> under
+the recipe's cache); an earlier rehearsal there is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.cli import command_parser
+from trainer.rehearsal import checks as check_functions
+from trainer.rehearsal.architecture import (
+    stand_in_target_config,
+    stand_in_tokenizer,
+    target_tokenizer,
+    tiny_draft_values,
+    tiny_target,
+    tiny_target_config,
+)
+from trainer.rehearsal.checks import Checks, NotChecked
+from trainer.rehearsal.data import rehearsal_dataset
+from trainer.rehearsal.hub import go_offline, hub_reachable
+from trainer.rehearsal.launch import launch
+from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU, gpu_only_keys
+from trainer.rehearsal.recipe import REHEARSAL_STEPS, rewrite_accelerate, rewrite_recipe, write_yaml
+
+USAGE = "dflash2 rehearse RECIPE [--ranks N] [--accelerate-config FILE] [--target DIR] [--output DIR]"
+MARKER = ".dflash2-rehearsal"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = command_parser("dflash2 rehearse", __doc__)
+    parser.add_argument("recipe", help="the recipe .yaml to rehearse")
+    parser.add_argument("--ranks", type=int, default=1, help="CPU ranks to launch (default 1)")
+    parser.add_argument("--accelerate-config", default=None, help="the accelerate config the GPU run is launched with")
+    parser.add_argument("--target", default=None, help="the target (a folder with its config.json is enough)")
+    parser.add_argument("--output", default=None, help="the rehearsal's workspace (default: under the cache)")
+    parser.add_argument(
+        "--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU for the plan, GiB (default 80)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of each training launch (default 600)"
+    )
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The arguments, each refused in one line naming it."""
+    args = _parser().parse_args(argv)
+    if not args.recipe.endswith((".yaml", ".yml")):
+        raise ValueError(f"usage: {USAGE} (the first argument must be a recipe .yaml, got {args.recipe!r})")
+    if args.ranks < 1:
+        raise ValueError(f"--ranks must be >= 1 (got {args.ranks})")
+    if not args.timeout_s > 0:
+        raise ValueError(f"--timeout-s must be > 0 seconds (got {args.timeout_s:g})")
+    if not args.gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0 (got {args.gpu_memory_gb:g})")
+    return args
+
+
+def default_accelerate_config() -> Path | None:
+    """The config `accelerate launch` itself uses without --config_file, if there is one."""
+    from accelerate.commands.config import default_config_file
+
+    return Path(default_config_file) if Path(default_config_file).is_file() else None
+
+
+def prepare_workspace(folder: Path) -> Path:
+    """An empty workspace: a new folder, or an earlier rehearsal's (marked), emptied."""
+    if folder.exists():
+        if not folder.is_dir():
+            raise NotADirectoryError(f"--output {folder} is a file")
+        if any(folder.iterdir()) and not (folder / MARKER).exists():
+            raise FileExistsError(f"--output {folder} holds files of something other than a rehearsal; choose another")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text("a dflash2 rehearse workspace: replaced by the next rehearsal here\n")
+    return folder.resolve()
+
+
+class Rehearsal:
+    """One recipe rehearsed: its inputs, its workspace and its checks."""
+
+    def __init__(self, args: argparse.Namespace):
+        from trainer.data.dataset import cache_root_of
+        from trainer.plan.facts import read_accelerate_config
+        from trainer.recipe_files import read_recipe
+        from trainer.training.arguments import parse_arguments
+
+        self.args = args
+        overrides = ["--target", args.target] if args.target else []
+        self.model_args, self.data_args, self.training_args = parse_arguments([args.recipe, *overrides])
+        self.recipe = read_recipe(args.recipe)
+        if args.target:
+            self.recipe["target"] = args.target
+        config_file = Path(args.accelerate_config) if args.accelerate_config else default_accelerate_config()
+        self.accelerate_source = config_file
+        self.accelerate = read_accelerate_config(str(config_file)) if config_file else None
+        name = Path(args.recipe).stem
+        folder = Path(args.output) if args.output else cache_root_of(self.data_args) / "rehearsals" / name
+        self.workspace = prepare_workspace(folder)
+        self.checks = Checks()
+        self.target_config: Any = None
+        self.target_checked = False
+        self.draft_config: Any = None
+
+    # -- the real sizes: config rules and memory plan ---------------------------------------
+
+    def read_target(self) -> None:
+        """The target's config as `dflash2 plan` reads it, or a stand-in of the draft's dimensions."""
+        from trainer.plan.facts import load_target_config
+
+        try:
+            self.target_config = load_target_config(self.model_args)
+            self.target_checked = True
+            say(f"target: {self.model_args.target}: {architecture_line(self.target_config)}")
+        except (OSError, ValueError) as error:
+            if self.draft_config is None:
+                raise
+            self.target_config = stand_in_target_config(self.draft_config)
+            folder = self.workspace / "target-config"
+            self.target_config.save_pretrained(folder)
+            self.model_args.target = str(folder)
+            reason = " ".join(str(error).split())[:200]
+            say(
+                f"target: {self.recipe.get('target')}: its config cannot be read here ({reason}); stand-in: a "
+                f"{self.target_config.model_type} target of the draft config's dimensions "
+                f"({check_functions.layer_summary(self.target_config)}). The target architecture was NOT checked"
+            )
+
+    def config_rules(self) -> str:
+        from trainer.models.draft import load_draft_config
+        from trainer.publishing.contract import TargetDimensions, check_exportable_draft
+
+        text = self.target_config.get_text_config()
+        dimensions = TargetDimensions(
+            str(self.model_args.target), text.hidden_size, text.vocab_size, text.num_hidden_layers
+        )
+        check_exportable_draft(self.draft_config, "the draft config", dimensions)
+        load_draft_config(self.model_args, building=False)  # the bounds training checks too
+        against = "the target" if self.target_checked else "the stand-in target"
+        return f"the draft would export (DFlash2 contract rules, against {against}'s dimensions)"
+
+    def memory_plan(self) -> str:
+        from trainer.plan.facts import GIB, accelerate_world_size
+        from trainer.plan.memory import plan_run
+
+        gpus = accelerate_world_size(self.accelerate or {})
+        plan = plan_run(
+            self.model_args,
+            self.data_args,
+            self.training_args,
+            gpus,
+            int(self.args.gpu_memory_gb * GIB),
+            self.accelerate,
+        )
+        verdict = plan.verdict()
+        if not plan.fits:
+            raise ValueError(f"the real run does not fit: {verdict}")
+        return verdict
+
+    # -- the tiny models, data and recipe ----------------------------------------------------
+
+    def build(self) -> None:
+        """The tiny target (and tokenizer), the tiny draft config, the data, and the rewritten recipe."""
+        from modeling_dflash2 import DFlash2Config
+
+        tiny_config, target_changes = tiny_target_config(self.target_config)
+        dtype = getattr(torch, self.model_args.target_dtype)
+        model = tiny_target(tiny_config, dtype, seed=int(self.training_args.seed))
+        target_folder = self.workspace / "target"
+        model.save_pretrained(target_folder)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        say(f"tiny target: {', '.join(target_changes)}; vocab kept ({vocab}); random weights")
+        tokenizer, source = target_tokenizer(str(self.recipe.get("target")), offline=not self.online)
+        if tokenizer is None:
+            tokenizer = stand_in_tokenizer(vocab)
+            source = f"stand-in (byte-level, ChatML template, {vocab} tokens): {source}"
+        tokenizer.save_pretrained(target_folder)
+        say(f"tokenizer: {source}")
+        values, draft_changes = tiny_draft_values(self.draft_config, tiny_config.get_text_config().hidden_size)
+        DFlash2Config(**values).dflash_settings  # noqa: B018  (the tiny draft config is a valid one)
+        draft_file = self.workspace / "draft.json"
+        DFlash2Config(**values).to_json_file(draft_file)
+        say(f"tiny draft: {', '.join(draft_changes)}; every other draft setting kept")
+
+        world = self.args.ranks
+        dataset, note, _ = rehearsal_dataset(self.data_args, 64, self.workspace, self.online)
+        say(f"data: {note}")
+        endpoint_answers = bool(self.data_args.regenerate_endpoint) and endpoint_reachable(
+            self.data_args.regenerate_endpoint
+        )
+        rewrite = rewrite_recipe(
+            self.recipe,
+            world=world,
+            workspace=self.workspace,
+            target=str(target_folder),
+            draft_config=str(draft_file),
+            dataset=dataset,
+            dataset_note=note,
+            keep_endpoint=endpoint_answers,
+        )
+        for line in rewrite.changes:
+            say(line)
+        for key in gpu_only_keys(self.recipe):
+            say(f"gpu only: {key.key}: {key.value}: {key.why}")
+        self.rehearsal_recipe = write_yaml(rewrite.values, self.workspace / "recipe.yaml")
+        accelerate, changes = rewrite_accelerate(self.accelerate, world)
+        for line in changes:
+            say(line)
+        if self.accelerate_source is None:
+            say("accelerate: no config given and no default one: the recipe alone decides precision and sharding")
+        self.fsdp = str(accelerate.get("distributed_type", "")).upper() == "FSDP"
+        self.accelerate_file = write_yaml(accelerate, self.workspace / "accelerate.yaml")
+        say(f"rehearsal recipe: {self.rehearsal_recipe}; accelerate config: {self.accelerate_file}")
+
+    # -- checks on the tiny run ------------------------------------------------------------------
+
+    def rehearsal_arguments(self, *overrides: str):
+        from trainer.training.arguments import parse_arguments
+
+        return parse_arguments([str(self.rehearsal_recipe), *overrides])
+
+    def data_check(self) -> str:
+        from trainer.data.chat import tokenize_chat
+        from trainer.data.dataset import (
+            chitchat_prompts,
+            column_values,
+            conversations_or_prompts,
+            load_raw_dataset,
+        )
+        from trainer.data.regeneration import prompt_conversation
+        from trainer.models.target import TargetTokenizer
+
+        _, data_args, _ = self.rehearsal_arguments()
+        tokenizer = TargetTokenizer.load(str(self.workspace / "target")).tokenizer
+        if data_args.dataset == "chitchat":
+            first = prompt_conversation(chitchat_prompts()[0], data_args.system_prompt)
+            rows = "chitchat prompts"
+        else:
+            raw = load_raw_dataset(data_args.dataset, data_args.dataset_split)
+            chat, conversations = conversations_or_prompts(raw, data_args)
+            first = next(column_values(chat, data_args.messages_column)) if chat is not None else conversations[0]
+            rows = f"{len(raw)} rows"
+        sample = tokenize_chat(tokenizer, first, data_args.enable_thinking)
+        supervised = sum(sample["loss_mask"])
+        return (
+            f"{rows}; the chat template renders the first: {len(sample['input_ids'])} tokens, {supervised} supervised"
+        )
+
+    def regeneration_check(self) -> str:
+        from trainer.data.dataset import token_datasets
+        from trainer.models.target import FrozenTarget
+
+        model_args, data_args, _ = self.rehearsal_arguments()
+        if not data_args.regenerate:
+            raise NotChecked("the recipe does not regenerate (regenerate: false)")
+        target = FrozenTarget.load(model_args.target, dtype=getattr(torch, model_args.target_dtype))
+        train, evaluation = token_datasets(data_args, target)
+        how = (
+            f"through {data_args.regenerate_endpoint}"
+            if data_args.regenerate_endpoint
+            else "in process: the tiny target's generate"
+        )
+        held = len(evaluation) if evaluation is not None else 0
+        return (
+            f"{len(train)} train and {held} held-out samples answered {how}, max_new_tokens {data_args.max_new_tokens}"
+        )
+
+    def train(self) -> str:
+        run = self.workspace / "run"
+        self.first = launch(
+            self.accelerate_file,
+            self.rehearsal_recipe,
+            [],
+            self.workspace / "train.log",
+            self.args.timeout_s,
+            self.fsdp,
+        )
+        if not self.first.ok:
+            raise ValueError(f"the training launch failed: {self.first.why()}")
+        losses = check_functions.two_finite_steps(run, REHEARSAL_STEPS)
+        return f"{self.args.ranks} rank(s), {losses}, {self.first.seconds:.0f} s"
+
+    def checkpoint(self) -> str:
+        from trainer.training.checkpoints import checkpoint_problems, list_checkpoints
+
+        run = self.workspace / "run"
+        found = list_checkpoints(run)
+        names = [path.name for path in found]
+        for step in range(1, REHEARSAL_STEPS + 1):
+            if f"checkpoint-{step}" not in names:
+                raise ValueError(f"no checkpoint-{step} in {run} (found {names})")
+        problems = [problem for path in found for problem in checkpoint_problems(path)]
+        if problems:
+            raise ValueError(f"damaged checkpoint: {problems[0]}")
+        return f"{', '.join(names)} complete"
+
+    def resume(self) -> str:
+        resumed = self.workspace / "run-resumed"
+        flags = ["--output_dir", str(resumed), "--resume_from_checkpoint", str(self.workspace / "run" / "checkpoint-1")]
+        second = launch(
+            self.accelerate_file,
+            self.rehearsal_recipe,
+            flags,
+            self.workspace / "resume.log",
+            self.args.timeout_s,
+            self.fsdp,
+        )
+        if not second.ok:
+            raise ValueError(f"the resumed launch failed: {second.why()}")
+        return check_functions.same_run(self.workspace / "run", resumed, REHEARSAL_STEPS)
+
+    def export(self) -> str:
+        from trainer.publishing.export_command import main as export_main
+
+        output = export_main(
+            [str(self.workspace / "run"), str(self.workspace / "export"), "--target", str(self.workspace / "target")]
+        )
+        return f"{output}: the contract's config and tensor rules pass"
+
+    def reload(self) -> str:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(self.workspace / "export", trust_remote_code=True)
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        return f"AutoModel.from_pretrained(trust_remote_code=True): {type(model).__name__}, {parameters:,} parameters"
+
+    def flex_forward(self) -> str:
+        if self.recipe.get("attn_implementation") != "flex_attention":
+            raise NotChecked("the recipe does not use flex_attention")
+        from trainer.models import draft as draft_module
+
+        compare = getattr(draft_module, "compare_flex_with_sdpa", None)
+        if compare is None:
+            raise NotChecked("this checkout has no flex-vs-sdpa forward check (trainer.models.draft)")
+        return compare(self.workspace / "export")
+
+    # -- the whole rehearsal ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        from trainer.models.draft import load_draft_config
+
+        self.online = hub_reachable()
+        if not self.online:
+            go_offline()
+            say("hub: unreachable from here: only local files and the Hugging Face cache are read")
+        try:
+            self.draft_config = load_draft_config(self.model_args, building=False)
+        except ValueError as error:
+            self.checks.add("config rules", check_functions.FAILED, " ".join(str(error).split()))
+            return self.finish()
+        self.read_target()
+        checks = self.checks
+        checks.run("config rules", self.config_rules)
+        checks.run("memory plan", self.memory_plan)
+        self.build()
+        checks.run("dataset + chat template", self.data_check)
+        checks.run("regeneration", self.regeneration_check, needs=("dataset + chat template",))
+        checks.run("two optimizer steps", self.train, needs=("dataset + chat template",))
+        checks.run("checkpoint", self.checkpoint, needs=("two optimizer steps",))
+        checks.run("resume", self.resume, needs=("checkpoint",))
+        checks.run("export", self.export, needs=("two optimizer steps",))
+        checks.run("reload", self.reload, needs=("export",))
+        checks.run("flex_attention forward", self.flex_forward, needs=("export",))
+        return self.finish()
+
+    def finish(self) -> int:
+        for limit in NOT_CHECKED_ON_CPU:
+            say(f"not checked here: {limit.line()}")
+        failed = self.checks.failed
+        passed = sum(check.status == check_functions.OK for check in self.checks.done)
+        say(f"rehearse: {passed} passed, {len(failed)} failed; workspace {self.workspace}")
+        return 1 if failed else 0
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def architecture_line(config: Any) -> str:
+    text = config.get_text_config()
+    architectures = ",".join(getattr(config, "architectures", None) or [type(config).__name__])
+    heads = f"{text.num_attention_heads}/{getattr(text, 'num_key_value_heads', text.num_attention_heads)} heads"
+    return (
+        f"{architectures} ({config.model_type}), {check_functions.layer_summary(config)}, {heads}, hidden "
+        f"{text.hidden_size}, vocab {text.vocab_size}: its architecture is rehearsed at a tiny width"
+    )
+
+
+def endpoint_reachable(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether an OpenAI-compatible endpoint answers `GET <url>/models` within the deadline."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=timeout_s):
+            return True
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rehearse the recipe; exit 1 when a check failed (bad input is a user error: 2)."""
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    rehearsal = Rehearsal(args)
+    say(f"rehearse {args.recipe} on {args.ranks} CPU rank(s); workspace {rehearsal.workspace}")
+    status = rehearsal.run()
+    say(f"wall time {time.perf_counter() - started:.0f} s")
+    if status:
+        raise SystemExit(status)
+    return status
