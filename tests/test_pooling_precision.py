@@ -84,6 +84,34 @@ def test_float64_sums_keep_counts_past_2_24_that_float32_would_round():
     assert (wide.float() + one).item() == 2.0**24  # why float64: in float32 the slot is lost
 
 
+def test_the_trainer_keeps_metric_sums_in_float64_between_logs(tmp_path):
+    """A logging interval or an evaluation can count past 2^24 supervised slots: float64 from the first
+    micro-batch, all-reduced as float64 in `log()`."""
+    from modeling_dflash2 import DFlash2DraftModel
+    from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
+    from trainer.data.dataset import DFlashCollator
+    from trainer.training.arguments import DFlashTrainingArguments
+    from trainer.training.trainer import DFlash2Trainer
+
+    target = tiny_target()
+    args = DFlashTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, num_anchors=4)
+    trainer = DFlash2Trainer(model=DFlash2DraftModel(tiny_draft_config_for(target)), args=args, target=target)
+    rows = tiny_chat_dataset(target, 2)
+    batch = DFlashCollator(target.tokenizer.pad_token_id)([rows[0], rows[1]])
+    trainer.model.eval()
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, batch)
+        trainer.compute_loss(trainer.model, batch)
+    sums = pooled_sums(trainer._metric_sums["eval"])
+    assert sums and {value.dtype for value in sums.values()} == {torch.float64}
+    names, pairs = flatten_terms(trainer._metric_sums["eval"])
+    assert pairs.dtype == torch.float64
+    logged = {}
+    trainer.callback_handler.on_log = lambda args, state, control, logs: logged.update(logs) or control
+    trainer.log({"eval_loss": 0.0})
+    assert logged["eval_loss"] == ratios(names, pairs)["loss"] and trainer._metric_sums["eval"] == {}
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
