@@ -4,8 +4,9 @@ Errors a user can fix (a refused recipe value, a missing file, a broken contract
 refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
 or `DFLASH2_DEBUG=1`, shows the full traceback instead. A run stopped by SIGTERM/SIGINT exits with
 128 + the signal number after its one line; Ctrl-C anywhere else (loading, regenerating, evaluating)
-is `interrupted: ...` saying what the command kept, and 130. Under torchrun / accelerate launch only
-rank 0 prints.
+is `interrupted: ...` saying what the command kept, and 130. Under torchrun / accelerate launch
+rank 0 prints; another rank's user error is printed by that rank as `error: rank N: ...` when rank 0
+has not ended the job within a grace period (then the error was its own: rank 0 runs on).
 A rank that died or stalled (`trainer.training.watchdog`) ends the others with status 1 after one line naming
 it, printed by the lowest surviving rank. Anything else is a bug and keeps its traceback.
 """
@@ -80,7 +81,7 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoRe
         if debug:
             raise
         say(f"error: {describe(error)}")
-        let_rank_zero_speak_first()
+        speak_unless_rank_zero_did(f"error: rank {os.environ.get('RANK')}: {describe(error)}")
         sys.exit(USER_ERROR_STATUS)
     sys.exit(0)
 
@@ -91,6 +92,23 @@ def let_rank_zero_speak_first() -> None:
     its line first."""
     if not is_rank_zero() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(SILENT_RANK_GRACE_SECONDS)
+
+
+def speak_unless_rank_zero_did(message: str) -> None:
+    """A rank other than 0 waits the grace period with SIGTERM at its default, then prints `message`.
+
+    When every rank met the error, rank 0 printed it and exited, and the launcher's SIGTERM ends this
+    rank within the grace (a handler the run installed, such as the preemption callback's, would
+    keep it alive to print the same line again). A rank still running met an error of its own, which
+    no other rank can print: it prints it. Rank 0 and single processes print nothing here.
+    """
+    if is_rank_zero() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    with contextlib.suppress(ValueError):  # handlers can only be set from the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(SILENT_RANK_GRACE_SECONDS)
+    close_progress_bars()
+    print(message, file=sys.stderr, flush=True)
 
 
 def module_of(main: Callable) -> str:

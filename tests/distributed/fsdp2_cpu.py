@@ -1,8 +1,8 @@
 """Test-only: run DFlash2Trainer through accelerate's real FSDP2 path on CPU (gloo), 2 ranks.
 
-accelerate enables FSDP only for GPU-like devices, so this forces the accelerator state to FSDP
-after creation. It exercises fully_shard wrapping per decoder layer, the
-class swap, training, evaluation, cross-rank metrics and saving; not a supported setup.
+accelerate enables FSDP only for GPU-like devices; the product's CPU FSDP2 mode
+(`trainer.training.cpu_fsdp`, `DFLASH2_FSDP2_ON_CPU=1`) forces it. This exercises fully_shard
+wrapping per decoder layer, the class swap, training, evaluation, cross-rank metrics and saving.
 Usage: torchrun --nproc_per_node 2 tests/distributed/fsdp2_cpu.py OUTPUT_ROOT
 """
 
@@ -14,22 +14,21 @@ import sys
 import time
 from pathlib import Path
 
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.training import trainer as trainer_module
+from trainer.training.cpu_fsdp import FSDP2_ON_CPU_ENV
 from trainer.training.run import main
+from trainer.training.trainer import DFlash2Trainer
 
 
-class ForcedFSDP2Trainer(trainer_module.DFlash2Trainer):
+class ForcedFSDP2Trainer(DFlash2Trainer):
+    """DFlash2Trainer in the CPU FSDP2 mode (kept for the scripts that swap it in): the variable is
+    set before the accelerator is created, as `dflash2 rehearse` sets it before launching."""
+
     def create_accelerator_and_postprocess(self) -> None:
+        os.environ[FSDP2_ON_CPU_ENV] = "1"
         super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        self.is_fsdp_enabled = True
 
 
 if __name__ == "__main__":

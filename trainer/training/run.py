@@ -32,7 +32,7 @@ from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
 from trainer.training.checkpoints import list_checkpoints, newest_complete_checkpoint
-from trainer.training.distributed import close_process_group
+from trainer.training.distributed import adopt_cpu_ranks, close_process_group
 from trainer.training.output_dir import check_output_dir, check_sources, remove_run
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.trainer import DFlash2Trainer
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if "-h" in argv or "--help" in argv:
         print_recipe_help("dflash2 train", __doc__)
     model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
+    adopt_cpu_ranks(training_args)  # several processes, no GPU, no use_cpu: CPU ranks, before the rank-0 lock
     check_output_sources(model_args, data_args, training_args)  # before the lock creates output_dir
     with run_folder_lock(training_args):
         if training_args.process_index == 0:  # the lock holder: nobody else can add results meanwhile

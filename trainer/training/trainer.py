@@ -52,6 +52,7 @@ from trainer.objective.metrics import MetricTerms, accumulation_dtype, add_terms
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import RECIPE_FILE, export_draft, remove_secrets
 from trainer.publishing.hub import PushExportOnSaveCallback, publish
+from trainer.training import cpu_fsdp
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import (
     STAGING_PREFIX,
@@ -128,6 +129,19 @@ class DFlash2Trainer(Trainer):
             prompts = [prompt_ids(self.eval_dataset[i]) for i in range(count)]
             stops = sorted(end_of_turn_ids(target.tokenizer)) if target.tokenizer is not None else None
             self.add_callback(SpeculativeEvalCallback(self, prompts, self.args.spec_eval_max_new_tokens, stops))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's accelerator, with FSDP2 forced on CPU ranks when `DFLASH2_FSDP2_ON_CPU` asks
+        (`trainer.training.cpu_fsdp`): the first accelerator sets up accelerate's CPU state, the
+        states are switched to FSDP2 consistently, and the Trainer's accelerator is built on them, so
+        HF's FSDP post-processing and every later save and resume see FSDP as on GPUs. Otherwise a
+        CPU run that asks for FSDP says in one line that accelerate trains it without sharding."""
+        if cpu_fsdp.should_force(self.args):
+            super().create_accelerator_and_postprocess()
+            cpu_fsdp.force_fsdp2(self.accelerator.state, cpu_fsdp.fsdp_plugin_for(self.args))
+        elif (warning := cpu_fsdp.fallback_warning(self.args)) and self.args.process_index == 0:
+            logger.warning("%s", warning)
+        super().create_accelerator_and_postprocess()
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         """The draft's layers are compiled in place (`trainer.models.compile`): accelerate must not compile
