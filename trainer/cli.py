@@ -104,11 +104,14 @@ def speak_unless_rank_zero_did(message: str) -> None:
     """
     if is_rank_zero() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
+    previous = None
     with contextlib.suppress(ValueError):  # handlers can only be set from the main thread
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(SILENT_RANK_GRACE_SECONDS)
     close_progress_bars()
     print(message, file=sys.stderr, flush=True)
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def module_of(main: Callable) -> str:
