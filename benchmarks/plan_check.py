@@ -217,7 +217,8 @@ def _prepared_draft(shape: CheckShape, model_args, objective) -> DFlash2DraftMod
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         dtype = torch.bfloat16 if shape.bf16 else torch.float32
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
+        # outputs left uncast, as DFlash2Trainer leaves accelerate's (precision.leave_draft_outputs_uncast)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for layer in draft.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
         fully_shard(draft, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
