@@ -65,7 +65,7 @@ from trainer.training.checkpoints import (
 )
 from trainer.training.hf_hooks import check_hooks
 from trainer.training.output_dir import check_fresh_start
-from trainer.training.precision import apply_at_launch
+from trainer.training.precision import apply_at_launch, leave_draft_outputs_uncast
 from trainer.training.preemption import PreemptionCallback
 from trainer.training.resume_check import IDENTITY_KEY, apply_learning_rate, check_unchanged, run_identity
 
