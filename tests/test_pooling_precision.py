@@ -199,6 +199,7 @@ def _pooled_by_log(root: Path) -> tuple[list[dict], dict[int, dict[str, list[flo
 def test_bf16_fsdp2_on_two_ranks_logs_exactly_the_pooled_float32_sums(tmp_path):
     torchrun(str(REPO / "tests" / "distributed" / "pooling_bf16_cpu.py"), str(tmp_path), cwd=tmp_path)
     history, pooled, captures = _pooled_by_log(tmp_path)
+    assert {c["sharded"] for c in captures} == {True}  # FSDP2, not DDP
     assert {c["hidden_dtype"] for c in captures} == {"torch.bfloat16"}  # the draft really ran in bf16
     assert {d for c in captures for d in c["dtypes"]} == {"torch.float32"}
     for capture in captures:  # what left the FSDP2-wrapped forward is what the objective formed

@@ -3,7 +3,8 @@ objective's own float32 sums of every micro-batch, so the test can pool them by 
 with what the trainer logged (tests/test_pooling_precision.py).
 
 The FSDP2 policy is accelerate's for `bf16: true` (parameters gathered in bf16: the draft's per-token
-terms are bf16-derived); FSDP2 is forced on CPU by `ForcedFSDP2Trainer` (tests/distributed/fsdp2_cpu.py).
+terms are bf16-derived); FSDP2 runs on the CPU ranks by the product's own switch, `DFLASH2_FSDP2_ON_CPU=1`
+(`trainer.training.cpu_fsdp`).
 Each rank writes `captures_<rank>.json`: per objective call its mode, the log it will land in (the
 length of `log_history` when it ran), the dtype of the hidden states the objective saw, the float32
 sums as the objective formed them, what came back out of the FSDP2-wrapped forward, and (training)
@@ -25,9 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trainer.objective.loss as loss_module
-from tests.distributed.fsdp2_cpu import ForcedFSDP2Trainer
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.training.cpu_fsdp import FSDP2_ON_CPU_ENV
 from trainer.training.run import main
+from trainer.training.trainer import DFlash2Trainer
 
 CAPTURES: list[dict[str, Any]] = []
 CURRENT: dict[str, Any] = {}  # set by compute_loss for the objective call it makes
@@ -55,7 +57,7 @@ def recording_dflash_loss(draft, hidden, *args, **kwargs):
     return result
 
 
-class RecordingTrainer(ForcedFSDP2Trainer):
+class RecordingTrainer(DFlash2Trainer):
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         CURRENT.clear()
         CURRENT.update(mode="train" if model.training else "eval", log_index=len(self.state.log_history))
@@ -65,6 +67,9 @@ class RecordingTrainer(ForcedFSDP2Trainer):
 
     def _objective(self, model, draft, inputs):
         result = super()._objective(model, draft, inputs)
+        from torch.distributed.fsdp import FSDPModule
+
+        CAPTURES[-1]["sharded"] = isinstance(model, FSDPModule)  # FSDP2 really wraps the draft
         CAPTURES[-1]["returned"] = {
             "numerator": [str(result.numerator.dtype), _values(result.numerator)[0]],
             "denominator": [str(result.denominator.dtype), _values(result.denominator)[0]],
@@ -93,6 +98,7 @@ if __name__ == "__main__":
         time.sleep(0.1)
     import trainer.training.run as train_script
 
+    os.environ[FSDP2_ON_CPU_ENV] = "1"
     loss_module.dflash_loss = recording_dflash_loss
     train_script.DFlash2Trainer = RecordingTrainer
     main([str(root / "recipe.yaml")])
