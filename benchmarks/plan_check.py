@@ -5,8 +5,9 @@ that `trainer.plan.memory.plan_run` plans, and that is then run for real: one st
 states, then one measured step exactly as the trainer runs it (anchors, blocks, masks, draft
 forward with the objective inside, backward, gradient clipping, optimizer step, zero_grad).
 Three precision regimes: fp32; bf16 autocast over fp32 weights (what accelerate does without
-FSDP); and FSDP2 with bf16 mixed precision (accelerate's policy: parameters, inputs and outputs
-cast to bf16, fp32 master weights), run in a fresh process holding a one-rank gloo group. One
+FSDP); and FSDP2 with bf16 mixed precision (accelerate's policy: parameters and inputs cast to
+bf16, fp32 master weights; the draft's outputs are left uncast, as the trainer leaves them, so the
+objective's sums stay float32), run in a fresh process holding a one-rank gloo group. One
 shape captures its features online from a random target of the planned config, so the capture's
 working set is the peak.
 
@@ -139,8 +140,8 @@ class CheckShape:
         return flags
 
     def accelerate_config(self) -> dict[str, Any]:
-        """bf16 as `accelerate launch` sets it: the measured CPU step runs under accelerate's autocast
-        (a recipe's `bf16: true` would be cleared at launch on a CPU, which trains in float32)."""
+        """bf16 as `accelerate launch` sets it: the measured CPU step runs under accelerate's autocast,
+        as a recipe's `bf16: true` does on a CPU."""
         return {"mixed_precision": "bf16" if self.bf16 else "no"}
 
 
