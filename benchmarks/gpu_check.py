@@ -12,8 +12,9 @@ cannot take the others down; unused time carries over to the next phase):
 
 Writes `benchmarks/results/cuda.json` (or `--output`), prints a Markdown summary, and exits 1 if any
 check failed (the JSON is written first). `--dry-run` (any machine, no device used) imports what the
-GPU run needs, builds the setups, plans every shape with the planner, collects the CUDA test ids and
-writes only to `--output` when given.
+GPU run needs, builds the setups, plans every shape with the planner, collects the CUDA test ids,
+lists what `dflash2 rehearse` cannot check on CPU (`trainer.rehearsal.limits`, the list the rehearsal
+prints: this GPU run is where those are checked) and writes only to `--output` when given.
 
 Usage: python -m benchmarks.gpu_check [--dry-run] [--output PATH] [--timeout-s N]
 """
@@ -45,6 +46,7 @@ import torch
 from benchmarks import setups
 from benchmarks.setups import StepSetup
 from trainer.cli import command_parser
+from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -593,6 +595,7 @@ def dry_run() -> dict[str, Any]:
         "imported": imported,
         "planned_checks": planned,
         "cuda_test_ids": test_ids,
+        "rehearse_cannot_check": [limit.line() for limit in NOT_CHECKED_ON_CPU],
         "passed": True,
         "seconds": time.perf_counter() - started,
     }
@@ -617,6 +620,8 @@ def summary(report: dict[str, Any]) -> str:
             lines.append(f"| {entry['name']} | {entry['limit_seconds']:.0f} | {predicted} |")
         lines += ["", f"CUDA tests collected: {len(report['cuda_test_ids'])}"]
         lines += [f"- {test_id}" for test_id in report["cuda_test_ids"]]
+        lines += ["", "What `dflash2 rehearse` cannot check on CPU, for this GPU run:"]
+        lines += [f"- {line}" for line in report["rehearse_cannot_check"]]
         return "\n".join(lines)
     lines += ["| check | result | seconds | problems |", "|---|---|---|---|"]
     for name, check in report["checks"].items():

@@ -14,6 +14,7 @@ import tests.test_cuda
 from benchmarks import gpu_check
 from trainer.cli import run
 from trainer.plan.memory import PARTS
+from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU
 
 
 def results_snapshot() -> tuple[set[str], float | None]:
@@ -60,6 +61,13 @@ def test_dry_run_plans_every_check_and_writes_only_its_output(tmp_path, capsys):
 
     printed = capsys.readouterr().out
     assert "gpu-check dry run" in printed and f"CUDA tests collected: {len(collected)}" in printed
+    # what a CPU rehearsal cannot show, from the one list `dflash2 rehearse` prints
+    cannot = [limit.line() for limit in NOT_CHECKED_ON_CPU]
+    assert report["rehearse_cannot_check"] == cannot and len(cannot) >= 4
+    assert {"NCCL collectives", "flex_attention backward", "CUDA kernels", "real speed"} <= {
+        limit.name for limit in NOT_CHECKED_ON_CPU
+    }
+    assert all(f"- {line}" in printed for line in cannot)
 
 
 def test_without_cuda_a_real_run_is_one_error_line_and_exit_2(tmp_path, monkeypatch, capsys):

@@ -100,6 +100,21 @@ def two_finite_steps(run: Path, steps: int) -> str:
     return "losses " + ", ".join(f"{losses[step]:.4f}" for step in range(1, steps + 1))
 
 
+def run_layout(checkpoint: Path, log: str, fsdp_asked: bool, ranks: int, precision: str) -> str:
+    """How the launch really trained: FSDP2 (its checkpoint is accelerate's FSDP one), DDP or one
+    process, and the precision (a launch that dropped it says so in a `precision:` warning)."""
+    fsdp = any(checkpoint.glob("pytorch_model_fsdp*"))
+    if fsdp_asked and not fsdp:
+        raise ValueError(
+            f"the accelerate config asks for FSDP, but {checkpoint.name} is not an FSDP checkpoint: the run "
+            "trained without FSDP (accelerate's CPU fallback), so the sharded path was not rehearsed"
+        )
+    layout = "FSDP2" if fsdp else ("DDP" if ranks > 1 else "one process")
+    dropped = [line.split("precision: ", 1)[1] for line in log.splitlines() if "precision: " in line]
+    ran = precision if not dropped else f"{precision} asked, but {dropped[0].strip()}"
+    return f"{layout} on {ranks} gloo rank(s), {ran}"
+
+
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:

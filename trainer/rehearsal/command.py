@@ -49,6 +49,9 @@ from trainer.rehearsal.recipe import REHEARSAL_STEPS, rewrite_accelerate, rewrit
 USAGE = "dflash2 rehearse RECIPE [--ranks N] [--accelerate-config FILE] [--target DIR] [--output DIR]"
 MARKER = ".dflash2-rehearsal"
 DEFAULT_TIMEOUT_S = 600.0
+FLEX_ROWS = 4
+# float32 outputs of the same masks through two kernels: rounding only
+FLEX_TOLERANCE = 1e-4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -303,7 +306,16 @@ class Rehearsal:
         if not self.first.ok:
             raise ValueError(f"the training launch failed: {self.first.why()}")
         losses = check_functions.two_finite_steps(run, REHEARSAL_STEPS)
-        return f"{self.args.ranks} rank(s), {losses}, {self.first.seconds:.0f} s"
+        log = self.first.log.read_text(errors="replace")
+        layout = check_functions.run_layout(run / "checkpoint-1", log, self.fsdp, self.args.ranks, self.precision())
+        return f"{layout}; {losses}; {self.first.seconds:.0f} s"
+
+    def precision(self) -> str:
+        """The precision the run asks for: the recipe's bf16/fp16, else the accelerate config's."""
+        if self.training_args.bf16 or self.training_args.fp16:
+            return "bf16 (the recipe)" if self.training_args.bf16 else "fp16 (the recipe)"
+        mixed = str((self.accelerate or {}).get("mixed_precision", "no"))
+        return f"{mixed} (accelerate's mixed_precision)" if mixed in ("bf16", "fp16") else "float32"
 
     def checkpoint(self) -> str:
         from trainer.training.checkpoints import checkpoint_problems, list_checkpoints
@@ -350,14 +362,37 @@ class Rehearsal:
         return f"AutoModel.from_pretrained(trust_remote_code=True): {type(model).__name__}, {parameters:,} parameters"
 
     def flex_forward(self) -> str:
+        """The exported draft's forward with flex_attention against sdpa, on the rehearsal's own rows
+        (packed when the recipe packs) and the tiny target's features: training's masks for each."""
         if self.recipe.get("attn_implementation") != "flex_attention":
             raise NotChecked("the recipe does not use flex_attention")
-        from trainer.models import draft as draft_module
+        from modeling_dflash2 import DFlash2DraftModel
+        from trainer.data.dataset import DFlashCollator, token_datasets
+        from trainer.data.packing import PackedDataset
+        from trainer.models.draft import flex_forward_gap
+        from trainer.models.target import FrozenTarget
 
-        compare = getattr(draft_module, "compare_flex_with_sdpa", None)
-        if compare is None:
-            raise NotChecked("this checkout has no flex-vs-sdpa forward check (trainer.models.draft)")
-        return compare(self.workspace / "export")
+        model_args, data_args, training_args = self.rehearsal_arguments()
+        target = FrozenTarget.load(model_args.target, dtype=torch.float32)
+        train, _ = token_datasets(data_args, target)  # the answers are cached: nothing is generated again
+        rows: Any = PackedDataset.pack(train, data_args.max_length, training_args.seed) if data_args.packing else train
+        samples = [rows[index] for index in range(min(FLEX_ROWS, len(rows)))]
+        tokenizer = target.tokenizer
+        batch = DFlashCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)(samples)
+        draft = DFlash2DraftModel.from_pretrained(self.workspace / "export", dtype=torch.float32)
+        batch["target_hidden"] = target.capture(
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            draft.dflash.target_layer_ids,
+            position_ids=batch.get("position_ids"),
+        )
+        gap = flex_forward_gap(draft, batch, target.embedding_weight)
+        what = f"{len(samples)} {'packed ' if data_args.packing else ''}rows, float32"
+        if not gap <= FLEX_TOLERANCE:
+            raise ValueError(
+                f"flex_attention's forward differs from sdpa's by {gap:.2e} ({what}); more than {FLEX_TOLERANCE:g}"
+            )
+        return f"max |flex - sdpa| {gap:.1e} over the draft's outputs ({what})"
 
     # -- the whole rehearsal ---------------------------------------------------------------------
 

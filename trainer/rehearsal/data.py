@@ -33,8 +33,13 @@ def hub_rows(spec: str, split: str, count: int) -> list[dict[str, Any]]:
     return rows
 
 
+# the stand-in's turns are short: the rehearsal's rows are 64 tokens, and a stand-in tokenizer spends
+# a token on every byte
+STAND_IN_CHARACTERS = 24
+
+
 def stand_in_rows(column: str, count: int) -> list[dict[str, Any]]:
-    """`count` two-turn conversations from the packaged chitchat-dataset, under `column`."""
+    """`count` short two-turn conversations from the packaged chitchat-dataset, under `column`."""
     try:
         import chitchat_dataset
     except ImportError as error:
@@ -42,7 +47,7 @@ def stand_in_rows(column: str, count: int) -> list[dict[str, Any]]:
     rows = []
     for conversation in chitchat_dataset.ConversationDataset():
         turns = [str(turn).strip() for turn in conversation][:2]
-        if len(turns) == 2 and all(turns):
+        if len(turns) == 2 and all(0 < len(turn) <= STAND_IN_CHARACTERS for turn in turns):
             rows.append({column: [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": turns[1]}]})
         if len(rows) == count:
             break

@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 
 REHEARSAL_STEPS = 2
-MAX_LENGTH = 128
-MAX_NEW_TOKENS = 24
-MICRO_BATCH = 2
-EVAL_SAMPLES = 4
+MAX_LENGTH = 64
+MAX_NEW_TOKENS = 16
+MICRO_BATCH = 1
+EVAL_SAMPLES = 2
 # report_to integrations that write only local files; the others need an account or a network
 LOCAL_REPORTERS = ("tensorboard", "none")
 
@@ -83,6 +83,14 @@ def rewrite_recipe(
         rewrite.set("num_eval_samples", EVAL_SAMPLES, "a few held out: the evaluation path runs, briefly")
     rewrite.clip("max_length", MAX_LENGTH, 2048, "short rows: seconds per step on a CPU")
     rewrite.clip("max_new_tokens", MAX_NEW_TOKENS, 256, "short answers from the tiny target")
+    prompt = MAX_LENGTH - MAX_NEW_TOKENS
+    rewrite.clip("max_prompt_length", prompt, 1024, "a prompt longer than the short rows leaves no answer in them")
+    # every anchor slot is computed (a block of logits over the whole vocabulary), and a row of
+    # max_length tokens has fewer than max_length anchors: slots past that are always empty
+    why = f"a {MAX_LENGTH}-token row has fewer anchors; every slot costs a block of vocabulary logits"
+    rewrite.clip("num_anchors", MAX_LENGTH, 512, f"{why}; the memory plan counts the recipe's own")
+    if rewrite.values.get("eval_num_anchors") is not None:
+        rewrite.clip("eval_num_anchors", MAX_LENGTH, MAX_LENGTH, why)
     if not keep_endpoint and rewrite.values.get("regenerate_endpoint"):
         rewrite.set("regenerate_endpoint", None, "the endpoint does not answer from here: the tiny target answers")
         rewrite.set("regenerate_model", None, "goes with regenerate_endpoint")
