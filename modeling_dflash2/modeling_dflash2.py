@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,13 +265,14 @@ class DFlashAttention(nn.Module):
             past_len = past_key_values.get_seq_length(self.layer_idx)
             key, value = past_key_values.update(key, value, self.layer_idx)
         mask = self._layer_mask(attention_mask, position_ids, past_len, key.shape[-2], q_len)
-        attention = self._attention_function(query.device)
+        needs_grad = query.requires_grad or key.requires_grad or value.requires_grad
+        attention = self._attention_function(query.device, needs_grad)
         output, _ = attention(
             self,
             query,
             key,
             value,
-            self._mask_for_backend(mask, query.dtype),
+            self._mask_for_backend(mask, query.dtype, batch),
             dropout=0.0,
             scaling=self.scaling,
             is_causal=False,
@@ -297,14 +299,17 @@ class DFlashAttention(nn.Module):
         key_positions = torch.cat([past_positions, position_ids], dim=1)[:, -kv_len:]
         return block_visibility(position_ids[:, -q_len:], key_positions, self.block_causal, self.sliding_window)
 
-    def _attention_function(self, device: torch.device):
+    def _attention_function(self, device: torch.device, needs_grad: bool):
+        """The kernel for the configured backend. flex_attention on CPU runs without gradients only:
+        torch has no CPU backward for it, so a forward that would need one is refused here, in one
+        line, rather than by torch's NotImplementedError from inside the call."""
         implementation = self.config._attn_implementation or "sdpa"
         if implementation == "eager":
             return eager_attention_forward
         if implementation == "flex_attention" and device.type == "cpu":
-            # torch 2.13's compiled CPU flex kernel returns wrong values when the sequence lengths are
-            # not multiples of its 128-token blocks (measured, even with a plain causal mask).
-            raise ValueError("attn_implementation='flex_attention' is for CUDA; use 'sdpa' or 'eager' on CPU.")
+            if needs_grad:
+                raise ValueError(FLEX_CPU_NO_BACKWARD)
+            return unfused_flex_forward
         if implementation.startswith("flash"):
             raise ValueError(
                 f"attn_implementation='{implementation}' cannot express DFlash block masks; "
@@ -314,12 +319,71 @@ class DFlashAttention(nn.Module):
             return grouped_sdpa_forward
         return ALL_ATTENTION_FUNCTIONS[implementation]
 
-    def _mask_for_backend(self, mask: MaskLike, dtype: torch.dtype) -> MaskLike:
-        """sdpa takes a bool mask; eager and flex score masks are additive."""
+    def _mask_for_backend(self, mask: MaskLike, dtype: torch.dtype, batch: int) -> MaskLike:
+        """sdpa takes a bool mask; eager an additive one; flex_attention a BlockMask."""
         implementation = self.config._attn_implementation or "sdpa"
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and implementation != "sdpa":
+        if not isinstance(mask, torch.Tensor) or implementation == "sdpa":
+            return mask
+        if implementation == "flex_attention":
+            return flex_block_mask_from_dense(mask, batch)
+        if mask.dtype == torch.bool:
             return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         return mask
+
+
+FLEX_CPU_NO_BACKWARD = (
+    "attn_implementation='flex_attention' runs on CPU without gradients only (torch has no CPU backward "
+    "for flex_attention): use 'sdpa' or 'eager' to train on CPU, or call the draft under torch.no_grad()."
+)
+
+
+def flex_block_mask_from_dense(mask: torch.Tensor, batch: int) -> Any:
+    """A bool visibility mask [b or 1, 1, q, kv] as a flex_attention BlockMask, so flex always gets
+    a BlockMask (as from the trainer's masks), which also skips the blocks it hides.
+
+    transformers' flex path would add a tensor mask inside a score_mod indexing it as
+    `mask[b][0][q][kv]`; torch 2.13's compiled CPU kernel reads out of bounds there (a crash, or
+    "index out of bounds" from the generated C++), at any length.
+    """
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            "attn_implementation='flex_attention' takes a bool attention mask or a flex BlockMask, "
+            f"not a {mask.dtype} (additive) mask."
+        )
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    visible = mask.expand(batch, 1, *mask.shape[-2:])
+
+    def mask_mod(batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
+        return visible[batch_idx, 0, q_idx, kv_idx]
+
+    q_len, kv_len = visible.shape[-2:]
+    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=mask.device)
+
+
+def unfused_flex_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """flex_attention on CPU, outside torch.compile: torch's unfused implementation of the same
+    BlockMask (or None), exact to sdpa at any length.
+
+    CPU flex is for evaluating and decoding (no backward), where the shapes change from call to
+    call; torch 2.13's compiled CPU kernel fails to build once it recompiles for dynamic shapes
+    (C++ "'cur_kvSplitSize5' was not declared"), so a run could stop mid-evaluation.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():  # "called without torch.compile": on purpose, see above
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        output = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2), None
 
 
 def grouped_sdpa_forward(
@@ -796,8 +860,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         noise_embedding [b, q, H]: the block embedded with the target embedding (x input_embedding_scale).
         target_hidden [b, ctx, n*H]: target hidden states `hidden_states[id + 1]` concatenated in
             `target_layer_ids` order.
-        attention_mask: None (serve-time visibility from positions), a bool [b, 1, q, kv] or additive
-            mask, a flex BlockMask, or a dict of those keyed by layer type.
+        attention_mask: None (serve-time visibility from positions), a bool [b, 1, q, kv] mask, an
+            additive one (sdpa, eager), a flex BlockMask, or a dict of those keyed by layer type.
         past_key_values: a Cache that receives each layer's context and block keys/values; the caller
             crops it (as z-lab's `dflash_generate` does).
         output_transform: applied to the hidden states before returning, inside this forward, so a

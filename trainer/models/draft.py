@@ -5,20 +5,29 @@ A draft config the export would refuse is refused here, before anything is built
 export's own rules (`trainer.publishing.contract.draft_config_violations`): the config-only rules as
 the config is read, the rules that need the target once it is loaded (`check_draft_for_target`).
 A DFlash v1 config trains (it is `dflash2 compare`'s baseline) with a warning that it cannot be
-exported, and is refused up front only when the run would end by pushing it."""
+exported, and is refused up front only when the run would end by pushing it.
+
+flex_attention trains only where torch has its backward (CUDA): a CPU run asking for it is refused
+before anything loads (`check_attention_for_training`); its forward runs anywhere, and
+`flex_forward_gap` measures it against sdpa on a batch."""
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.fileio import require_existing_path
 from trainer.models.config_bounds import FLOAT32_BYTES, bounds_violations, check_draft_config, read_config_file
 from trainer.models.warm_start import check_init_from, warm_start
+from trainer.objective.blocks import build_blocks, sample_anchors
+from trainer.objective.loss import embed_draft_ids
+from trainer.objective.masks import attention_masks
 from trainer.publishing.contract import RULE_22_V1, TargetDimensions, check_exportable_draft
 from trainer.recipe_files import resolve_path
 
@@ -31,6 +40,10 @@ V1_TRAINS = (
     "but export and push_to_hub refuse it (docs/contract.md rule 22)"
 )
 V1_PUSH = "; push_to_hub would fail after training: unset push_to_hub, or train a DFlash2 draft_config"
+FLEX_ON_CPU = (
+    "attn_implementation: flex_attention cannot train on CPU: torch has no CPU backward for flex_attention; "
+    "use attn_implementation: sdpa here (the GPU run keeps flex_attention)"
+)
 
 
 def _read_config(path: Any, source: str) -> DFlash2Config:
@@ -132,3 +145,50 @@ def build_draft(model_args: Any) -> nn.Module:
         )
         draft = get_peft_model(draft, lora)
     return draft
+
+
+def check_attention_for_training(implementation: str, device: torch.device) -> None:
+    """Refuse flex_attention on a CPU run before anything loads: torch has no CPU backward for it,
+    so the first training step would fail (under FSDP2 only after the first evaluation, which
+    needs no gradients). `device` is the run's (`TrainingArguments.device`, known once the
+    arguments are parsed: `use_cpu`, accelerate's ACCELERATE_USE_CPU, else the accelerator found)."""
+    if implementation == "flex_attention" and device.type == "cpu":
+        raise ValueError(FLEX_ON_CPU)
+
+
+@torch.no_grad()
+def flex_forward_gap(
+    draft: nn.Module, batch: Mapping[str, torch.Tensor], embedding_weight: torch.Tensor, num_anchors: int | None = None
+) -> float:
+    """Max |flex_attention - sdpa| over the draft's block outputs on one batch (no gradients).
+
+    `batch` is a collated batch with its target features: `input_ids`, `loss_mask`, `target_hidden`
+    and, for packed rows, `position_ids`; `embedding_weight` the target's input embedding. Anchors
+    are taken as evaluation takes them (the first `num_anchors` valid positions of each document,
+    default all), and each backend gets the masks training builds for it (flex: BlockMasks; sdpa:
+    dense bool masks), so packed rows and sliding-window layers are covered as the draft has them.
+    The draft's attention setting is restored afterwards.
+    """
+    settings = draft.dflash
+    input_ids, loss_mask, position_ids = batch["input_ids"], batch["loss_mask"], batch.get("position_ids")
+    count = num_anchors or loss_mask.shape[1]
+    anchors, keep = sample_anchors(loss_mask, count, draw=None, position_ids=position_ids)
+    size, mask_id = settings.block_size, settings.mask_token_id
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, size, mask_id, position_ids)
+    dtype = next(draft.parameters()).dtype
+    noise = embed_draft_ids(embedding_weight, blocks.draft_ids, settings.input_embedding_scale).to(dtype)
+    target_hidden = batch["target_hidden"].to(dtype)
+    previous = draft.config._attn_implementation
+    outputs = {}
+    try:
+        for backend in ("sdpa", "flex_attention"):
+            draft.config._attn_implementation = backend
+            outputs[backend] = draft(
+                position_ids=blocks.model_position_ids(),
+                noise_embedding=noise,
+                target_hidden=target_hidden,
+                attention_mask=attention_masks(blocks, settings, backend),
+            )
+    finally:
+        draft.config._attn_implementation = previous
+    return float((outputs["flex_attention"].float() - outputs["sdpa"].float()).abs().max())
