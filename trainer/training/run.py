@@ -26,7 +26,12 @@ from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
 from trainer.data.packing import PackedDataset
 from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.models.draft import build_draft, check_draft_for_target, load_draft_config
+from trainer.models.draft import (
+    build_draft,
+    check_attention_for_training,
+    check_draft_for_target,
+    load_draft_config,
+)
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
@@ -50,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print_recipe_help("dflash2 train", __doc__)
     model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
     adopt_cpu_ranks(training_args)  # several processes, no GPU, no use_cpu: CPU ranks, before the rank-0 lock
+    check_attention_for_training(model_args.attn_implementation, training_args.device)  # flex: no CPU backward
     check_output_sources(model_args, data_args, training_args)  # before the lock creates output_dir
     with run_folder_lock(training_args):
         if training_args.process_index == 0:  # the lock holder: nobody else can add results meanwhile
