@@ -4,7 +4,8 @@
   bf16, on a draft with a full and a sliding-window layer and dummy block slots;
 - one bf16 autocast training step against the fp32 step;
 - FSDP2 (one rank, NCCL): a step, then DCP sharded and full state dicts loaded into plain models;
-- greedy speculative decoding on CUDA is exactly the target's greedy decoding.
+- greedy speculative decoding on CUDA is exactly the target's greedy decoding, and a flex_attention
+  draft decodes exactly as the same weights under sdpa.
 """
 
 from __future__ import annotations
@@ -370,3 +371,24 @@ def test_partial_acceptance_on_cuda_keeps_caches_exact(cuda_pair, monkeypatch):
     result = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=25)
     assert result.tokens == greedy[:25]
     assert result.acceptance_lengths[:-1] == [3] * (len(result.acceptance_lengths) - 1)
+
+
+def test_flex_attention_decoding_on_cuda_equals_sdpa():
+    """Decoding with a flex draft hands flex BlockMasks converted from the draft's bool masks (the
+    CPU tests run torch's unfused flex; here CUDA's compiled kernel): same tokens and acceptance
+    lengths as the same weights under sdpa, on a full and a sliding-window layer."""
+    target = tiny_target("qwen3", seed=1)
+    with torch.no_grad():
+        target.model.get_output_embeddings().weight.mul_(20)
+    config = tiny_draft_config_for(target, head_dim=HEAD_DIM, num_hidden_layers=2, **HYBRID)
+    sdpa = randomize(DFlash2DraftModel(config), seed=2, scale=0.2).to(DEVICE)
+    flex_config = DFlash2Config.from_dict(config.to_dict())
+    flex_config._attn_implementation = "flex_attention"
+    flex = DFlash2DraftModel(flex_config).to(DEVICE)
+    flex.load_state_dict(sdpa.state_dict())
+    model = target.model.to(DEVICE)
+    for prompt in PROMPTS:
+        expected = spec_generate(model, sdpa, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS)
+        result = spec_generate(model, flex, torch.tensor([prompt]), max_new_tokens=NEW_TOKENS)
+        assert result.tokens == expected.tokens
+        assert result.acceptance_lengths == expected.acceptance_lengths
