@@ -32,6 +32,7 @@ EXAMPLE_OF = {
 OPTION_OF = {
     "configure": ("--num-draft-layers", "--block-size"),
     "plan": ("--num-gpus", "--accelerate-config"),
+    "rehearse": ("--ranks", "--accelerate-config"),
     "prepare": ("--regenerate-only", "--offline"),
     "train": ("--learning_rate", "--num_anchors"),
     "evaluate": ("--max-samples", "--compare-untrained"),

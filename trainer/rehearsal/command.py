@@ -402,7 +402,7 @@ class Rehearsal:
         self.online = hub_reachable()
         if not self.online:
             go_offline()
-            say("hub: unreachable from here: only local files and the Hugging Face cache are read")
+            say("hub: offline (HF_HUB_OFFLINE) or unreachable from here: only local files and the cache are read")
         try:
             self.draft_config = load_draft_config(self.model_args, building=False)
         except ValueError as error:

@@ -1,7 +1,8 @@
 """The rehearsal's data: the first rows of the recipe's own dataset when they can be read here, else
 local conversations in the recipe's format, written to a JSONL file the rewritten recipe names.
 
-A Hub dataset is streamed (only its first rows are read) unless the Hub is unreachable; a local
+A Hub dataset is streamed (only its first rows are read, the shortest of them kept: the rehearsal's
+rows are 64 tokens) unless the Hub is unreachable; a local
 dataset (a folder, a JSON/JSONL/Parquet file, or `chitchat`) is kept as it is, since training reads
 it the same way here as on the GPU node. The stand-in is the PyPI `chitchat-dataset` conversations
 (the package `dataset: chitchat` reads), first two turns of each as a user and an assistant message,
@@ -21,16 +22,25 @@ def is_local(spec: str) -> bool:
     return spec == "chitchat" or Path(spec).expanduser().exists()
 
 
-def hub_rows(spec: str, split: str, count: int) -> list[dict[str, Any]]:
-    """The first `count` rows of a Hub dataset, streamed (nothing else is downloaded)."""
+def shortest(rows: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The `count` shortest rows (by their JSON text), in their order: the rehearsal's rows are
+    short, and a prompt longer than them would be skipped."""
+    lengths = [len(json.dumps(row, ensure_ascii=False, default=str)) for row in rows]
+    kept = sorted(sorted(range(len(rows)), key=lengths.__getitem__)[:count])
+    return [rows[index] for index in kept]
+
+
+def hub_rows(spec: str, split: str, count: int, scanned: int = 4) -> list[dict[str, Any]]:
+    """The shortest `count` of the first `scanned` x `count` rows of a Hub dataset, streamed
+    (nothing else is downloaded)."""
     import datasets
 
     rows = []
     for row in datasets.load_dataset(spec, split=split, streaming=True):
         rows.append(row)
-        if len(rows) == count:
+        if len(rows) == scanned * count:
             break
-    return rows
+    return shortest(rows, count)
 
 
 # the stand-in's turns are short: the rehearsal's rows are 64 tokens, and a stand-in tokenizer spends
@@ -62,7 +72,7 @@ def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def rehearsal_dataset(data_args: Any, count: int, folder: Path, hub_reachable: bool) -> tuple[str, str, bool]:
     """(dataset to train on, what it is, whether it is the recipe's own data): the recipe's own
-    local dataset, the first `count` rows of its Hub dataset, or the stand-in."""
+    local dataset, `count` of the first rows of its Hub dataset, or the stand-in."""
     spec = data_args.dataset
     if is_local(spec):
         if spec != "chitchat":
@@ -76,7 +86,11 @@ def rehearsal_dataset(data_args: Any, count: int, folder: Path, hub_reachable: b
         else:
             if rows:
                 path = write_rows(rows, folder / "data.jsonl")
-                return str(path), f"the first {len(rows)} rows of {spec} (split {data_args.dataset_split})", True
+                return (
+                    str(path),
+                    f"the {len(rows)} shortest of the first rows of {spec} (split {data_args.dataset_split})",
+                    True,
+                )
             reason = f"{spec} split {data_args.dataset_split} has no rows"
     else:
         reason = "the Hub is unreachable from here"

@@ -52,8 +52,9 @@ def _shown(value: Any) -> str:
 
 
 def train_samples(world: int, micro_batch: int, accumulation: int) -> int:
-    """Samples for the rehearsal's optimizer steps on every rank, twice over (some get filtered)."""
-    return 2 * REHEARSAL_STEPS * world * micro_batch * accumulation
+    """Samples for the rehearsal's optimizer steps on every rank (fewer would be read again: the
+    steps are counted by max_steps, not epochs)."""
+    return max(4, REHEARSAL_STEPS * world * micro_batch * accumulation)
 
 
 def rewrite_recipe(
