@@ -110,7 +110,12 @@ def test_the_qwen3_8b_recipe_rehearses_on_two_fsdp2_ranks(tmp_path):
     assert checks["two optimizer steps"].startswith("ok (FSDP2 on 2 gloo rank(s), bf16 (accelerate's mixed_precision)")
     assert "weights max |diff| 0.0e+00" in checks["resume"]
     rehearsal = yaml.safe_load((tmp_path / "rehearsal" / "recipe.yaml").read_text())
-    assert rehearsal["target_sharding"] == "fsdp" and rehearsal["num_anchors"] == 64 and rehearsal["max_steps"] == 2
+    assert (
+        rehearsal["target_sharding"] == "fsdp"
+        and rehearsal["num_anchors"] == 64
+        and rehearsal["max_length"] == 128
+        and rehearsal["max_steps"] == 2
+    )
 
 
 def test_the_qwen3_6_27b_recipe_rehearses_its_hybrid_target(tmp_path):

@@ -147,7 +147,7 @@ class Rehearsal:
             folder = self.workspace / "target-config"
             self.target_config.save_pretrained(folder)
             self.model_args.target = str(folder)
-            reason = " ".join(str(error).split())[:200]
+            reason = " ".join(str(error).split()).split(". ")[0][:200]
             say(
                 f"target: {self.recipe.get('target')}: its config cannot be read here ({reason}); stand-in: a "
                 f"{self.target_config.model_type} target of the draft config's dimensions "
@@ -180,7 +180,7 @@ class Rehearsal:
             int(self.args.gpu_memory_gb * GIB),
             self.accelerate,
         )
-        verdict = plan.verdict()
+        verdict = plan.verdict() + ("" if self.target_checked else " (target: the stand-in, the draft's dimensions)")
         if not plan.fits:
             raise ValueError(f"the real run does not fit: {verdict}")
         return verdict
@@ -269,10 +269,10 @@ class Rehearsal:
             first = next(column_values(chat, data_args.messages_column)) if chat is not None else conversations[0]
             rows = f"{len(raw)} rows"
         sample = tokenize_chat(tokenizer, first, data_args.enable_thinking)
-        supervised = sum(sample["loss_mask"])
-        return (
-            f"{rows}; the chat template renders the first: {len(sample['input_ids'])} tokens, {supervised} supervised"
-        )
+        supervised = f"{sum(sample['loss_mask'])} supervised"
+        if not sum(sample["loss_mask"]) and data_args.regenerate:
+            supervised = "a prompt: the target's answer is what gets supervised"
+        return f"{rows}; the chat template renders the first: {len(sample['input_ids'])} tokens, {supervised}"
 
     def regeneration_check(self) -> str:
         from trainer.data.dataset import token_datasets

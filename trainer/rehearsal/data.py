@@ -2,7 +2,7 @@
 local conversations in the recipe's format, written to a JSONL file the rewritten recipe names.
 
 A Hub dataset is streamed (only its first rows are read, the shortest of them kept: the rehearsal's
-rows are 64 tokens) unless the Hub is unreachable; a local
+rows are 128 tokens) unless the Hub is unreachable; a local
 dataset (a folder, a JSON/JSONL/Parquet file, or `chitchat`) is kept as it is, since training reads
 it the same way here as on the GPU node. The stand-in is the PyPI `chitchat-dataset` conversations
 (the package `dataset: chitchat` reads), first two turns of each as a user and an assistant message,
@@ -43,7 +43,7 @@ def hub_rows(spec: str, split: str, count: int, scanned: int = 4) -> list[dict[s
     return shortest(rows, count)
 
 
-# the stand-in's turns are short: the rehearsal's rows are 64 tokens, and a stand-in tokenizer spends
+# the stand-in's turns are short: the rehearsal's rows are 128 tokens, and a stand-in tokenizer spends
 # a token on every byte
 STAND_IN_CHARACTERS = 24
 

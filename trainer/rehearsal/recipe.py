@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 REHEARSAL_STEPS = 2
-MAX_LENGTH = 64
+MAX_LENGTH = 128
+ANCHOR_SLOTS = 64
 MAX_NEW_TOKENS = 16
 MICRO_BATCH = 1
 EVAL_SAMPLES = 2
@@ -86,12 +87,12 @@ def rewrite_recipe(
     rewrite.clip("max_new_tokens", MAX_NEW_TOKENS, 256, "short answers from the tiny target")
     prompt = MAX_LENGTH - MAX_NEW_TOKENS
     rewrite.clip("max_prompt_length", prompt, 1024, "a prompt longer than the short rows leaves no answer in them")
-    # every anchor slot is computed (a block of logits over the whole vocabulary), and a row of
-    # max_length tokens has fewer than max_length anchors: slots past that are always empty
-    why = f"a {MAX_LENGTH}-token row has fewer anchors; every slot costs a block of vocabulary logits"
-    rewrite.clip("num_anchors", MAX_LENGTH, 512, f"{why}; the memory plan counts the recipe's own")
+    # every anchor slot is computed (a block of logits over the whole vocabulary, used or not), while a
+    # regenerated answer of MAX_NEW_TOKENS has at most that many anchors
+    why = "every slot costs a block of logits over the whole vocabulary, and short answers have fewer anchors"
+    rewrite.clip("num_anchors", ANCHOR_SLOTS, 512, f"{why}; the memory plan counts the recipe's own")
     if rewrite.values.get("eval_num_anchors") is not None:
-        rewrite.clip("eval_num_anchors", MAX_LENGTH, MAX_LENGTH, why)
+        rewrite.clip("eval_num_anchors", ANCHOR_SLOTS, ANCHOR_SLOTS, why)
     if not keep_endpoint and rewrite.values.get("regenerate_endpoint"):
         rewrite.set("regenerate_endpoint", None, "the endpoint does not answer from here: the tiny target answers")
         rewrite.set("regenerate_model", None, "goes with regenerate_endpoint")
