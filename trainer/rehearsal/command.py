@@ -182,7 +182,8 @@ class Rehearsal:
         )
         verdict = plan.verdict() + ("" if self.target_checked else " (target: the stand-in, the draft's dimensions)")
         if not plan.fits:
-            raise ValueError(f"the real run does not fit: {verdict}")
+            alone = "" if self.accelerate else " (no accelerate config: planned for one GPU; pass --accelerate-config)"
+            raise ValueError(f"the real run does not fit: {verdict}{alone}")
         return verdict
 
     # -- the tiny models, data and recipe ----------------------------------------------------
