@@ -193,7 +193,7 @@ def test_a_packed_recipe_on_the_hybrid_target_fails_at_its_launch_with_the_rank_
 
 def test_a_recipe_whose_draft_would_not_export_is_a_failed_check_and_exit_1(tmp_path, capsys):
     config = DFlash2Config.from_json_file(REPO / "hub_configs" / "qwen3-8b-dflash2.json").to_dict()
-    config["dflash_config"]["selector_top_k"] = 1  # training takes 1, the export needs 2 or more
+    config["dflash_config"]["selector_top_k"] = 1  # the selector needs 2 or more candidates (rule 8)
     (tmp_path / "draft.json").write_text(json.dumps(config))
     recipe = yaml.safe_load((REPO / "examples/recipes/qwen3-8b-fsdp2.yaml").read_text())
     recipe.update(draft_config=str(tmp_path / "draft.json"), target=str(TARGETS / "qwen3-8b"))
@@ -319,3 +319,24 @@ def test_a_failed_launch_shows_a_rank_s_own_line():
     assert failure_line(log) == "[rank1]: error: dataset x row 3: message 0 has no 'role'"
     log = "Traceback (most recent call last):\n  File x\nRuntimeError: gloo timed out\ntorch.distributed.elastic...\n"
     assert failure_line(log) == "RuntimeError: gloo timed out"
+
+
+@pytest.mark.parametrize(
+    ("flags", "verdict"),
+    [
+        ([], "not checked here: no accelerate config (given, or accelerate's default), so the launch is unknown"),
+        (["--accelerate-config", FSDP2, "--gpu-memory-gb", "40"], "FAILED: the real run does not fit: "),
+        (["--accelerate-config", FSDP2], "ok ("),
+    ],
+)
+def test_the_memory_plan_fails_only_against_a_known_launch(flags, verdict, tmp_path, monkeypatch, capsys):
+    """Without an accelerate config the GPU launch is unknown: one GPU is a guess, so not fitting
+    there is said, not failed; against the given config and GPU size it is a real verdict."""
+    monkeypatch.setattr(command, "default_accelerate_config", lambda: None)
+    recipe = "examples/recipes/qwen3-8b-fsdp2.yaml"
+    argv = [recipe, "--target", str(TARGETS / "qwen3-8b"), "--output", str(tmp_path / "rehearsal"), *flags]
+    rehearsal = command.Rehearsal(command.parse(argv))
+    rehearsal.read_target()
+    rehearsal.checks.run("memory plan", rehearsal.memory_plan)
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check memory plan: ")]
+    assert len(line) == 1 and line[0].startswith(f"check memory plan: {verdict}"), line

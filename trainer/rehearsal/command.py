@@ -181,9 +181,13 @@ class Rehearsal:
             self.accelerate,
         )
         verdict = plan.verdict() + ("" if self.target_checked else " (target: the stand-in, the draft's dimensions)")
+        if not plan.fits and not self.accelerate:  # the launch is unknown: one GPU is only a guess
+            raise NotChecked(
+                f"no accelerate config (given, or accelerate's default), so the launch is unknown; planned for "
+                f"one GPU it does not fit: {verdict}; pass --accelerate-config as for accelerate launch"
+            )
         if not plan.fits:
-            alone = "" if self.accelerate else " (no accelerate config: planned for one GPU; pass --accelerate-config)"
-            raise ValueError(f"the real run does not fit: {verdict}{alone}")
+            raise ValueError(f"the real run does not fit: {verdict}")
         return verdict
 
     # -- the tiny models, data and recipe ----------------------------------------------------
