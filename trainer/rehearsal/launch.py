@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-FSDP_ON_CPU = "DFLASH2_FSDP2_ON_CPU"
+from trainer.training.cpu_fsdp import FSDP2_ON_CPU_ENV
+
 # an exception line of a Python traceback (not the launcher's own wrapper of a child's failure)
 EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception|Interrupt)\b.*)$")
 LAUNCHER_NOISE = ("ChildFailedError", "CalledProcessError", "torch.distributed.elastic")
@@ -80,7 +81,7 @@ def launch(
     """Run the training launch until it ends or `deadline_s` passes (then kill its process group)."""
     environment = dict(os.environ)
     if fsdp:
-        environment[FSDP_ON_CPU] = "1"
+        environment[FSDP2_ON_CPU_ENV] = "1"
     started = time.perf_counter()
     with log.open("w") as output:
         process = subprocess.Popen(
