@@ -10,7 +10,8 @@ server with the target and that export (`--speculative-config` method "dflash", 
    exported tensor(s) it came from (the plugin's audit hook, DFLASH2_VLLM_AUDIT_DIR);
 2. greedy speculative decoding gives exactly the target's own greedy tokens (HF `generate`);
 3. per prompt, vLLM accepts exactly the draft tokens that the project's
-   `spec_generate(use_selector=False)` accepts, step by step.
+   `spec_generate(use_selector=False)` accepts, step by step, up to a step decided by a near-tie
+   of the draft's logits (then only the steps before it; most prompts have none).
 
 On a CPU, vLLM has only its V1 model runner, which refuses DFlash2 ("candidate-head") drafts
 because it drafts them through DFlashProposer without the candidate selector. This module lifts
@@ -55,6 +56,9 @@ TRAIN_STEPS = 80
 LEARNING_RATE = "0.002"
 NUM_PROMPTS = 8  # of the last 32 chitchat prompts, which the recipe holds out from training
 MAX_TOKENS = 32
+# A draft proposal whose top-2 logits are closer than this may flip between vLLM's float32 CPU
+# kernels and transformers' (one at 8.3e-4 did); the draft's logits are of order 10.
+NEAR_TIE = 5e-3
 # vLLM -> checkpoint: the fused projections and the order of their parts (vLLM's
 # DFlashQwen3Model.hf_to_vllm_mapper, orig_to_new_stacked; q, k, v and gate, up along dim 0).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -251,14 +255,44 @@ def vllm_like_steps(acceptance_lengths: list[int], num_tokens: int) -> list[int]
     return steps
 
 
+def proposal_margins(draft: DFlash2DraftModel) -> list[torch.Tensor]:
+    """Record, for each step of the draft's next decode, the top-1 minus top-2 logit of each
+    proposal slot [B-1] (the draft computes its logits once per step)."""
+    margins: list[torch.Tensor] = []
+    compute_logits = draft.compute_logits
+
+    def recording(hidden: torch.Tensor, output_head) -> torch.Tensor:
+        logits = compute_logits(hidden, output_head)
+        top = logits.float().topk(2, dim=-1).values
+        margins.append((top[..., 0] - top[..., 1]).reshape(-1))
+        return logits
+
+    draft.compute_logits = recording
+    return margins
+
+
+def first_near_tie(margins: list[torch.Tensor], steps: list[int]) -> int | None:
+    """The first step whose outcome hangs on a near-tie: one of the proposals that decided it (the
+    accepted ones and the first rejected one) has a top-2 margin below NEAR_TIE. vLLM's float32 CPU
+    kernels (fused projections, its own attention) round differently from transformers', so there a
+    proposal may flip; every step before it must agree exactly."""
+    for step, accepted in enumerate(steps):
+        if float(margins[step][: accepted + 1].min()) < NEAR_TIE:
+            return step
+    return None
+
+
 def test_acceptance_per_prompt_equals_spec_generate_without_selector(
     vllm_runs: list[dict], prompts: list[list[int]], smollm2: FrozenTarget, draft_export: Path, block_size: int
 ):
     draft = DFlash2DraftModel.from_pretrained(draft_export, dtype=torch.float32).eval()
+    margins = proposal_margins(draft)
     totals = {"vllm_steps": 0, "vllm_accepted": 0, "project_steps": 0, "project_tokens": 0}
+    decided = 0
     for ids, run in zip(prompts, vllm_runs, strict=True):
         # No stop tokens and room for a block past max_tokens: every step vLLM runs is a full,
         # uncut block here too (see vllm_like_steps).
+        margins.clear()
         with torch.no_grad():
             output = draft.spec_generate(
                 smollm2.model,
@@ -269,29 +303,38 @@ def test_acceptance_per_prompt_equals_spec_generate_without_selector(
                 return_stats=True,
                 use_selector=False,
             )
+        assert len(margins) == len(output.acceptance_lengths)
         tokens = run["tokens"]
         assert output.new_tokens[: len(tokens)] == tokens
         steps = vllm_like_steps(output.acceptance_lengths, len(tokens))
         metrics, counters = run["metrics"], run["counters"]
-
-        assert metrics["per_step_accepted"] == steps
-        assert metrics["per_step_drafted"] == [block_size - 1] * len(steps)
-        assert counters["drafts"] == len(steps)
-        assert counters["draft_tokens"] == (block_size - 1) * len(steps)
-        assert counters["accepted_tokens"] == sum(steps)
+        vllm_steps = metrics["per_step_accepted"]
+        assert metrics["per_step_drafted"] == [block_size - 1] * len(vllm_steps)
+        assert counters["drafts"] == len(vllm_steps)
+        assert counters["draft_tokens"] == (block_size - 1) * len(vllm_steps)
+        assert counters["accepted_tokens"] == sum(vllm_steps)
         per_position = [counters.get(f"accepted_tokens_per_pos/{i}", 0.0) for i in range(block_size - 1)]
-        assert per_position == [sum(accepted > i for accepted in steps) for i in range(block_size - 1)]
+        assert per_position == [sum(accepted > i for accepted in vllm_steps) for i in range(block_size - 1)]
+
+        tie = first_near_tie(margins, steps)
+        if tie is None:
+            assert vllm_steps == steps
+            decided += 1
+        else:  # equal up to the step a near-tie decides
+            assert vllm_steps[:tie] == steps[:tie], (tie, vllm_steps, steps)
 
         # vLLM's tau counts the final step whole; the project's own statistics cut that step at
         # max_new_tokens or the stop token (SpeculativeOutput.acceptance_lengths), as below.
         lengths = [accepted + 1 for accepted in steps]
         lengths[-1] -= sum(lengths) - (len(tokens) - 1)
-        print(f"\nprompt of {len(ids)} tokens: {len(tokens)} tokens, accepted per step {steps}")
-        totals["vllm_steps"] += len(steps)
-        totals["vllm_accepted"] += sum(steps)
+        print(f"\nprompt of {len(ids)} tokens: {len(tokens)} tokens, accepted per step {steps}, near-tie at {tie}")
+        totals["vllm_steps"] += len(vllm_steps)
+        totals["vllm_accepted"] += sum(vllm_steps)
         totals["project_steps"] += len(lengths)
         totals["project_tokens"] += sum(lengths)
 
+    # most prompts are decided with no near-tie at all, so the comparison keeps its teeth
+    assert decided >= NUM_PROMPTS // 2, f"only {decided} of {NUM_PROMPTS} prompts free of near-ties"
     tau_vllm = 1 + totals["vllm_accepted"] / totals["vllm_steps"]
     tau_project = totals["project_tokens"] / totals["project_steps"]
     print(
