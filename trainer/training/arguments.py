@@ -134,27 +134,37 @@ class DataArguments:
         default=False, metadata={"help": "Capture target hidden states once into a cache and train from disk."}
     )
     offline_dtype: str = "float32"
-    feature_endpoint: str | None = field(
+    feature_endpoint: list[str] | None = field(
         default=None,
         metadata={
-            "help": "vLLM base URL (http://host:8000/v1) serving the target with extract_hidden_states: the "
-            "offline features come from it (docs/your-own-target.md)."
+            "help": "vLLM base URL(s) (http://host:8000/v1; a list: one per engine replica) serving the target "
+            "with extract_hidden_states: the features come from them, streamed while training (offline: false; "
+            "the training processes then load only the target's embedding and LM head) or stored first "
+            "(offline: true). docs/your-own-target.md."
         },
     )
     feature_model: str | None = field(
         default=None, metadata={"help": "The target's served model name there; unset: the one model it serves."}
     )
-    feature_concurrency: int = field(default=16, metadata={"help": "Feature requests in flight."})
+    feature_concurrency: int = field(default=16, metadata={"help": "Feature requests in flight per server."})
+    feature_prefetch: int = field(
+        default=4,
+        metadata={
+            "help": "Streamed engine features (offline: false): micro-batches asked ahead of the one training, "
+            "one data-loader process each; the server files on disk are bounded by this window."
+        },
+    )
     feature_timeout: float = field(default=600.0, metadata={"help": "Seconds one feature request may take."})
     feature_max_retries: int = field(default=8, metadata={"help": "Retries of a failed feature request."})
     feature_file_timeout: float = field(
         default=120.0, metadata={"help": "Seconds a finished request's hidden-state file may take to appear."}
     )
-    feature_storage_path: str | None = field(
+    feature_storage_path: list[str] | None = field(
         default=None,
         metadata={
             "help": "Required with feature_endpoint: the folder the server writes hidden-state files to (its "
-            "shared_storage_path), as seen here; files a reply names elsewhere are refused, never read or removed."
+            "shared_storage_path), as seen here (a list: one per endpoint, or one shared by all); files a reply "
+            "names elsewhere are refused, never read or removed."
         },
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Cache root (default: $DFLASH2_CACHE or ~/.cache)."})
@@ -261,6 +271,7 @@ RULES: dict[str, Rule] = {
     "dataset_num_proc": at_least(1),
     "offline_dtype": one_of(*DTYPES),
     "feature_concurrency": at_least(1),
+    "feature_prefetch": at_least(1),
     "feature_timeout": above(0, "seconds"),
     "feature_max_retries": at_least(0),
     "feature_file_timeout": above(0, "seconds"),
