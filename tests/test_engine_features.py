@@ -24,10 +24,9 @@ from trainer.data.engine_features import (
     check_engine_layers,
     engine_feature_arguments,
     engine_feature_command,
-    engine_features,
-    engine_layer_ids,
-    read_hidden_states,
 )
+from trainer.data.engine_files import engine_features, read_hidden_states
+from trainer.data.engine_servers import engine_layer_ids
 from trainer.data.feature_store import ShardWriter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,9 @@ from benchmarks.openai_loopback import LoopbackOpenAI
 from tests.tiny_target import tiny_target
 from trainer.data import response_journal
 from trainer.data.endpoint import EndpointClient, EndpointError, EndpointSettings
-from trainer.data.engine_features import FeatureEndpointSettings, prepare_engine_features, read_hidden_states
+from trainer.data.engine_features import prepare_engine_features
+from trainer.data.engine_files import read_hidden_states
+from trainer.data.engine_servers import FeatureEndpointSettings
 from trainer.data.feature_store import FEATURE_INDEX
 from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
 from trainer.data.response_journal import ResponseJournal

@@ -133,7 +133,8 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
     import torch
 
     from trainer.data.endpoint import EndpointSettings
-    from trainer.data.engine_features import FeatureEndpointSettings, engine_feature_arguments, prepare_engine_features
+    from trainer.data.engine_features import engine_feature_arguments, prepare_engine_features
+    from trainer.data.engine_servers import FeatureEndpointSettings
     from trainer.data.feature_store import prepare_features, store_fingerprint
     from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
     from trainer.fileio import default_cache_root

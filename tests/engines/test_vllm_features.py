@@ -27,12 +27,8 @@ from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_server
 from trainer.data.chat import render
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.endpoint import EndpointError, EndpointSettings
-from trainer.data.engine_features import (
-    PROGRESS_FILE,
-    FeatureEndpointSettings,
-    engine_feature_arguments,
-    prepare_engine_features,
-)
+from trainer.data.engine_features import PROGRESS_FILE, engine_feature_arguments, prepare_engine_features
+from trainer.data.engine_servers import FeatureEndpointSettings
 from trainer.data.feature_store import FEATURE_INDEX, OfflineDataset, prepare_features, store_fingerprint
 from trainer.models.target import TargetTokenizer
 

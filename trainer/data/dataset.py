@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.data.chat import tokenize_chat
 from trainer.data.endpoint import EndpointSettings
-from trainer.data.engine_features import FeatureEndpointSettings, check_engine_layers, prepare_engine_features
+from trainer.data.engine_features import check_engine_layers, prepare_engine_features
+from trainer.data.engine_servers import FeatureEndpointSettings
 from trainer.data.feature_store import OfflineDataset, prepare_features, store_dtype, store_fingerprint
 from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.fileio import default_cache_root, require_existing_path

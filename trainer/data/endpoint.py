@@ -56,6 +56,11 @@ class EndpointUnreachable(EndpointError):
     server said nothing about what it serves."""
 
 
+class EndpointGone(EndpointUnreachable):
+    """A call that got no answer at all, ended at once because another server can take it
+    (`EndpointClient.fail_fast`)."""
+
+
 @dataclass(frozen=True)
 class EndpointSettings:
     url: str  # http://host:port/v1
@@ -105,8 +110,11 @@ class EndpointClient:
     """Chat completions against one endpoint, with a bounded pool and retries. Use as an async
     context manager; `checked_model` must run before `answer`."""
 
-    def __init__(self, settings: EndpointSettings):
+    def __init__(self, settings: EndpointSettings, fail_fast: Callable[[], bool] | None = None):
         self.settings = settings
+        # When it answers True, a failure to get any answer (refused connection, reset, timeout) ends
+        # the call at once instead of being retried: another server can take the request.
+        self.fail_fast = fail_fast
         self.base = settings.url.rstrip("/")
         self.model: str | None = settings.model
         self.name = settings.key("endpoint")  # how messages name it: regenerate_endpoint or feature_endpoint
@@ -147,12 +155,15 @@ class EndpointClient:
                     return response
                 problem = f"HTTP {response.status_code}: {response.text[:200]!r}"
                 retry_after = retry_after_seconds(response.headers.get("retry-after"))
+                answered = True  # busy, not gone: asked again here
             except (TimeoutError, httpx.TimeoutException) as error:
                 kind = f", {type(error).__name__}" if isinstance(error, httpx.TimeoutException) else ""
                 problem = f"no whole answer within {settings.key('timeout')}={settings.timeout:g} s{kind}"
-                retry_after = None
+                retry_after, answered = None, False
             except httpx.TransportError as error:
-                problem, retry_after = f"{type(error).__name__}: {error}", None
+                problem, retry_after, answered = f"{type(error).__name__}: {error}", None, False
+            if not answered and self.fail_fast is not None and self.fail_fast():
+                raise EndpointGone(f"{url}: no answer ({problem})")
             failing = f"{url}: still failing after {attempt + 1} attempts ({problem})"
             if attempt >= settings.max_retries:
                 raise EndpointUnreachable(failing)
