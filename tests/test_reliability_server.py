@@ -13,9 +13,7 @@ import fcntl
 import json
 import os
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import datasets
@@ -24,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.openai_loopback import LoopbackOpenAI
+from tests.fake_vllm_features import FakeFeatureServer
 from tests.tiny_target import tiny_target
 from trainer.data import response_journal
 from trainer.data.endpoint import EndpointClient, EndpointError, EndpointSettings
@@ -42,81 +41,6 @@ SETTINGS = GenerationSettings(max_new_tokens=4, batch_size=1)
 @pytest.fixture(scope="module")
 def target():
     return tiny_target()
-
-
-# ---------------------------------------------------------------------------------------------
-# A vLLM-like feature server
-# ---------------------------------------------------------------------------------------------
-
-
-class FakeFeatureServer:
-    """/v1/models, the probe (chat completion) and /v1/completions, each writing the request's
-    `hidden_states` [tokens, layers, H] and `token_ids` to `<storage>/req-N.safetensors` with a
-    released lock, as vLLM's connector does, and naming it in `kv_transfer_params`.
-    `hostile(path, kind)` returns the path a reply names instead (kind: "probe" or "sample")."""
-
-    def __init__(self, storage: Path, layers: int, hidden: int, hostile=None):
-        self.storage, self.layers, self.hidden, self.hostile = storage, layers, hidden, hostile
-        self.written: dict[str, torch.Tensor] = {}  # path -> hidden_states written
-        self.count = 0
-        self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeFeatureServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def write(self, ids: list[int], kind: str) -> str:
-        with self.lock:
-            self.count += 1
-            path = str(self.storage / f"req-{self.count}.safetensors")
-        hidden = torch.randn(len(ids), self.layers, self.hidden)
-        save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, path)
-        Path(path + ".lock").touch()  # written: the lock is released
-        self.written[path] = hidden
-        return self.hostile(path, kind) if self.hostile else path
-
-    def _handler(self):
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, payload: dict) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                self._send(200, {"data": [{"id": "tiny", "root": "/models/tiny"}]})
-
-            def do_POST(self):
-                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if self.path == "/v1/chat/completions":
-                    named = server.write([0], "probe")
-                    choice = {"message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
-                elif self.path == "/v1/completions":
-                    named = server.write(list(request["prompt"]), "sample")
-                    choice = {"text": "x", "finish_reason": "length"}
-                else:
-                    self._send(404, {"error": {"message": "no route"}})
-                    return
-                self._send(200, {"choices": [choice], "kv_transfer_params": {"hidden_states_path": named}})
-
-        return Handler
 
 
 def token_rows(count: int = 3) -> datasets.Dataset:

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import yaml
 
 from trainer.commands import kept_on_interrupt
-from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars
+from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars, worker_error_text
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.recipe_types import refuse_argv_credentials
 from trainer.training.watchdog import watched_run
@@ -125,7 +125,7 @@ def module_of(main: Callable) -> str:
 
 def describe(error: BaseException) -> str:
     """The message, or the exception's name when it has none (`FileNotFoundError` from a bare raise)."""
-    message = str(error).strip()
+    message = worker_error_text(str(error)).strip()  # an error of a data-loader process: its own line
     if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
         message = f"{message}: {error.filename}"
     return message or type(error).__name__

@@ -15,3 +15,14 @@ def close_progress_bars() -> None:
 
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
+
+
+def worker_error_text(message: str) -> str:
+    """The original one-line message of an error raised in a data-loader process: PyTorch re-raises it
+    in the trainer as "Caught <Error> in DataLoader worker process N.\nOriginal Traceback ...:
+    <Error>: <message>"; any other message is returned as it is."""
+    if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+        last = message.rstrip().splitlines()[-1]
+        name, separator, text = last.partition(": ")
+        return text if separator and name.replace(".", "").replace("_", "").isalnum() else last
+    return message

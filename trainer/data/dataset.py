@@ -3,7 +3,7 @@
 
 Every dataset here is map-style (a `datasets.Dataset` or an indexable torch dataset), so Trainer's
 resume skips exactly the consumed samples. Samples carry `input_ids` and `loss_mask` (1 on tokens
-the draft is trained to predict); offline datasets add `target_hidden`.
+the draft is trained to predict); offline and streamed datasets add `target_hidden`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from transformers import PreTrainedTokenizerBase
 from trainer.data.chat import tokenize_chat
 from trainer.data.endpoint import EndpointSettings
 from trainer.data.engine_features import check_engine_layers, prepare_engine_features
-from trainer.data.engine_servers import FeatureEndpointSettings
+from trainer.data.engine_servers import EngineLayout, FeatureEndpointSettings
 from trainer.data.feature_store import OfflineDataset, prepare_features, store_dtype, store_fingerprint
+from trainer.data.online_features import StreamedFeatures, StreamSource
 from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import FrozenTarget, TargetTokenizer
@@ -454,22 +455,24 @@ def endpoint_settings(args) -> EndpointSettings | None:
 
 
 def feature_endpoint_settings(args) -> FeatureEndpointSettings | None:
-    """Where the offline features come from: a vLLM `feature_endpoint` when set, else the target in process."""
+    """Where the features come from: the vLLM servers of `feature_endpoint` when set (stored first
+    with `offline: true`, else streamed while training), else the target in process (None)."""
     if not args.feature_endpoint:
         if args.feature_model:
             raise ValueError("feature_model is set but feature_endpoint is not: set the endpoint's URL")
         return None
-    if not args.offline:
-        raise ValueError("feature_endpoint is set but offline is false: set offline: true to store engine features")
-    endpoint = EndpointSettings(
-        url=args.feature_endpoint,
-        model=args.feature_model,
-        concurrency=args.feature_concurrency,
-        timeout=args.feature_timeout,
-        max_retries=args.feature_max_retries,
-        keys="feature",
-    )
-    return FeatureEndpointSettings(endpoint, file_timeout=args.feature_file_timeout, storage=args.feature_storage_path)
+    endpoints = [
+        EndpointSettings(
+            url=url,
+            model=args.feature_model,
+            concurrency=args.feature_concurrency,
+            timeout=args.feature_timeout,
+            max_retries=args.feature_max_retries,
+            keys="feature",
+        )
+        for url in args.feature_endpoint
+    ]
+    return FeatureEndpointSettings(endpoints, file_timeout=args.feature_file_timeout, storage=args.feature_storage_path)
 
 
 def cache_root_of(args) -> Path:
@@ -536,14 +539,20 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
 
 
 def build_datasets(args, target: FrozenTarget | TargetTokenizer, layer_ids: Sequence[int], final_hidden: bool = False):
-    """(train, eval or None) tokenized datasets (`token_datasets`), or offline datasets with stored
-    target features (with the target's final hidden states too when `final_hidden`, for distillation),
-    captured in process or, with `feature_endpoint`, through a vLLM server (where the target's
-    tokenizer is enough: `TargetTokenizer`)."""
+    """(train, eval or None) tokenized datasets (`token_datasets`), or datasets joined with the
+    target's features: stored offline (with the target's final hidden states too when
+    `final_hidden`, for distillation), captured in process or, with `feature_endpoint`, through vLLM
+    servers (where the target's tokenizer is enough: `TargetTokenizer`); or, with `feature_endpoint`
+    and `offline: false`, streamed from the servers while training (`StreamedFeatures`, in the dtype
+    of the target's embedding)."""
     engine = feature_endpoint_settings(args)
     if engine is not None:
         check_engine_layers(layer_ids, target.num_layers, final_hidden)
     train, evaluation = token_datasets(args, target)
+    if engine is not None and not args.offline:
+        layout = EngineLayout(tuple(int(layer_id) for layer_id in layer_ids), target.hidden_size)
+        source = StreamSource.open(engine, target.tokenizer, layout, target.embedding_weight.dtype)
+        return StreamedFeatures(train, source), None if evaluation is None else StreamedFeatures(evaluation, source)
     if args.offline:
         dtype = store_dtype(args.offline_dtype)
 

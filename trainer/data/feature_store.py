@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from trainer.console import worker_error_text
 from trainer.fileio import (
     check_safetensors_file,
     digest,
@@ -385,9 +386,7 @@ class FeatureStoreError(ValueError):
     Traceback ...: <message>"; the rebuilt error keeps the one-line message alone."""
 
     def __init__(self, message: str):
-        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
-            message = message.rstrip().rpartition(f"{type(self).__name__}: ")[2]
-        super().__init__(message)
+        super().__init__(worker_error_text(message))
 
 
 class OfflineDataset(torch.utils.data.Dataset):

@@ -96,7 +96,20 @@ class PackedDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        parts = [self.samples[sample] for sample in self.rows[index]]
+        return self._joined([self.samples[sample] for sample in self.rows[index]])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The rows at `indices`; samples that fetch together (`__getitems__`, e.g. streamed engine
+        features) are asked for all their documents at once."""
+        fetch = getattr(self.samples, "__getitems__", None)
+        if fetch is None:
+            return [self[index] for index in indices]
+        documents = [self.rows[index] for index in indices]
+        parts = iter(fetch([sample for row in documents for sample in row]))
+        return [self._joined([next(parts) for _ in row]) for row in documents]
+
+    @staticmethod
+    def _joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
         row: dict[str, Any] = {
             key: torch.cat([torch.as_tensor(part[key]) for part in parts]) for key in ("input_ids", "loss_mask")
         }

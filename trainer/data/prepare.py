@@ -18,6 +18,7 @@ import sys
 import torch
 
 from trainer.data.dataset import build_datasets, token_datasets
+from trainer.data.online_features import streams_engine_features
 from trainer.models.draft import load_draft_config
 from trainer.models.target import FrozenTarget, TargetTokenizer
 from trainer.plan.fit_check import check_target_fits
@@ -66,6 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     if regenerate_only:
         train, evaluation = token_datasets(data_args, target)
         print(f"regenerated {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
+        return
+    if streams_engine_features(data_args):  # nothing is stored: the servers answer while training
+        train, evaluation = token_datasets(data_args, target)
+        print(
+            f"prepared {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples; their "
+            "features are streamed from feature_endpoint while training (offline: false)"
+        )
         return
     distills = training_args.objective_config().distills  # distillation also stores final hidden states
     train, evaluation = build_datasets(data_args, target, config.target_layer_ids, final_hidden=distills)
