@@ -5,7 +5,8 @@ connector does, and naming it in `kv_transfer_params`.
 
 What a real server cannot be made to do on cue is a switch here: `hostile(path, kind)` names another
 path (kind "probe" or "sample"), `die_after` kills the server while it holds its N-th sample request
-(the connection is cut, the port then refuses), and `hidden_of(ids)` computes the hidden states (a
+(the connection is cut, the port then refuses), `hold_after` keeps every sample request after the
+N-th unanswered until `release` is set, and `hidden_of(ids)` computes the hidden states (a
 tiny target's real ones, for equality with in-process capture; random by default)."""
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ class FakeFeatureServer:
         hostile: Callable[[str, str], str] | None = None,
         hidden_of: Callable[[list[int]], torch.Tensor] | None = None,
         die_after: int | None = None,
+        hold_after: int | None = None,
     ):
         self.storage, self.layers, self.hidden, self.hostile = Path(storage), layers, hidden, hostile
-        self.hidden_of, self.die_after = hidden_of, die_after
+        self.hidden_of, self.die_after, self.hold_after = hidden_of, die_after, hold_after
+        self.holding = threading.Event()  # set once a request is held (hold_after)
+        self.release = threading.Event()  # lets held requests go on
         self.written: dict[str, torch.Tensor] = {}  # path -> hidden_states written
         self.samples: list[tuple[int, ...]] = []  # the token ids of each sample request, in arrival order
         self.most_files = 0  # the most hidden-state files seen in the storage folder at once
@@ -105,6 +109,9 @@ class FakeFeatureServer:
                         if len(ids) > 1:  # (a nudge is one token)
                             server.samples.append(tuple(ids))
                         dies = server.die_after is not None and len(server.samples) >= server.die_after
+                    if server.hold_after is not None and len(server.samples) > server.hold_after:
+                        server.holding.set()  # a client waits here until released (or 60 s)
+                        server.release.wait(60)
                     if dies:  # killed while holding this request: the connection is cut, no answer
                         threading.Thread(target=server.kill, daemon=True).start()
                         self.close_connection = True

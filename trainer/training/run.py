@@ -23,6 +23,7 @@ import transformers
 from transformers import HfArgumentParser
 
 from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
+from trainer.data.online_features import configure_streamed_run, streams_engine_features
 from trainer.data.packing import PackedDataset
 from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
@@ -33,6 +34,7 @@ from trainer.models.draft import (
     load_draft_config,
 )
 from trainer.models.target import FrozenTarget, check_target_sharding
+from trainer.models.target_head import TargetHead
 from trainer.plan.fit_check import check_run_fits
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
@@ -149,14 +151,16 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     load_draft_config(model_args)  # the draft config's rules and the export's, before the target loads
     check_run_fits(model_args, data_args, training_args)  # the planner's estimate against this device's memory
 
-    target = FrozenTarget.load(
-        model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype)
-    )
+    streams = streams_engine_features(data_args)
+    if streams:  # the features come from vLLM servers: only the embedding and LM head are loaded here
+        configure_streamed_run(model_args, data_args, training_args)
+    load = TargetHead.load if streams else FrozenTarget.load
+    target = load(model_args.target, model_args.target_gguf_file, dtype=getattr(torch, model_args.target_dtype))
     draft = build_draft(model_args)
     target.check_draft(draft.dflash, draft.config)
     check_draft_for_target(draft.config, target, training_args.push_to_hub)  # the export's rules, before training
     check_packing_settings(data_args, training_args)
-    if data_args.packing and not data_args.offline:
+    if data_args.packing and not data_args.offline and not streams:
         target.check_packing(draft.target_layer_ids)  # before any data is built: the target sees packed rows
     with training_args.main_process_first(desc="building datasets"):
         train_dataset, eval_dataset = build_datasets(
