@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2DecoderLayer
+from trainer.data.online_features import streams_engine_features
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import PYPI_PREFIX, TargetSource
 from trainer.recipe_files import read_recipe, resolve_path
@@ -84,11 +85,18 @@ class TargetFacts:
     parameters: int
     layer_parameters: int
     largest_layer_parameters: int
+    embedding_parameters: int = 0
+    head_parameters: int = 0  # 0 when the LM head is the embedding tensor (tie_word_embeddings)
 
     @property
     def whole_parameters(self) -> int:
         """Parameters outside the decoder layers (embedding, final norm, LM head): never sharded."""
         return self.parameters - self.layer_parameters
+
+    @property
+    def head_only_parameters(self) -> int:
+        """What a run with streamed features loads (`TargetHead`): the input embedding and the LM head."""
+        return self.embedding_parameters + self.head_parameters
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,15 @@ class RunFacts:
     device: str = "cuda"
     distills: bool = False  # kd_weight > 0: the target's final hidden states and the teacher's logits
     packing: bool = False  # packed rows: documents end to end, each with its own anchor quota
+    gradient_accumulation: int = 1
+    feature_servers: int = 0  # vLLM servers the features are streamed from while training; 0: not streamed
     settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def streams_features(self) -> bool:
+        """Features streamed from `feature_endpoint` (`offline: false`): the target is its embedding and
+        LM head only, and nothing is captured here."""
+        return self.feature_servers > 0
 
     @property
     def block_slots(self) -> int:
@@ -190,6 +206,7 @@ def target_facts(config: PretrainedConfig) -> TargetFacts:
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     layers = getattr(backbone, "layers", None)
     layer_sizes = [_parameters(layer) for layer in layers] if isinstance(layers, nn.ModuleList) else [0]
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -203,6 +220,8 @@ def target_facts(config: PretrainedConfig) -> TargetFacts:
         parameters=_parameters(model),
         layer_parameters=sum(layer_sizes),
         largest_layer_parameters=max(layer_sizes),
+        embedding_parameters=embedding.numel(),
+        head_parameters=0 if head is embedding else head.numel(),
     )
 
 
@@ -383,15 +402,27 @@ def run_facts(
     precision = _precision(training_args, accelerate, draft_fsdp)
     recipe_checkpointing = getattr(training_args, "activation_checkpointing", None)
     checkpointing = bool(recipe_checkpointing or training_args.gradient_checkpointing or fsdp_checkpointing)
+    servers = len(data_args.feature_endpoint) if streams_engine_features(data_args) else 0
+    if servers and model_args.target_sharding == "fsdp":  # what TargetHead.place refuses
+        raise ValueError(
+            "target_sharding: fsdp: there are no decoder layers to shard with streamed features "
+            "(feature_endpoint with offline: false); set target_sharding: none"
+        )
     target_sharded = model_args.target_sharding == "fsdp" and num_gpus > 1
     objective = training_args.objective_config()
+    if servers:
+        target = "embedding + LM head only (features streamed from feature_endpoint)"
+        features = f"streamed from {servers} vLLM server{'s' if servers > 1 else ''} (feature_endpoint)"
+    else:
+        target = "decoder layers sharded (fsdp)" if target_sharded else "whole"
+        features = "offline (from disk)" if data_args.offline else "online (target forward each step)"
     settings = {
         "precision": precision.name,
         "draft": _draft_layout(draft_fsdp, reshard, offload, num_gpus),
-        "target": f"{model_args.target_dtype}, " + ("decoder layers sharded (fsdp)" if target_sharded else "whole"),
+        "target": f"{model_args.target_dtype}, {target}",
         "activation checkpointing": "on" if checkpointing else "off",
         "attention": model_args.attn_implementation,
-        "features": "offline (from disk)" if data_args.offline else "online (target forward each step)",
+        "features": features,
         "objective": f"{objective.loss_type}, kd_weight {objective.resolved_kd_weight:g}",
     }
     packing = data_args.packing
@@ -422,4 +453,6 @@ def run_facts(
         settings=settings,
         distills=objective.distills,
         packing=packing,
+        gradient_accumulation=training_args.gradient_accumulation_steps,
+        feature_servers=servers,
     )

@@ -22,8 +22,8 @@ import os
 import torch
 
 from trainer.models.config_bounds import InsufficientMemoryError, available_memory, format_bytes
-from trainer.plan.facts import DEVICES, launched_accelerate_config, load_target_config, run_facts, target_facts
-from trainer.plan.memory import MemoryPlan, plan_run, target_weight_bytes
+from trainer.plan.facts import DEVICES, DTYPE_BYTES, launched_accelerate_config, load_target_config, target_facts
+from trainer.plan.memory import MemoryPlan, plan_run
 
 SKIP_VARIABLE = "DFLASH2_SKIP_MEMORY_CHECK"
 logger = logging.getLogger(__name__)
@@ -84,16 +84,20 @@ def check_run_fits(model_args, data_args, training_args) -> MemoryPlan | None:
 
 
 def check_target_fits(model_args, data_args, training_args) -> int | None:
-    """Refuse a `prepare` whose target weights alone (the planner's `target_weights`, whole, in
-    target_dtype) exceed the CPU memory available; the bytes, or None when they could not be sized."""
+    """Refuse a `prepare` whose target weights alone (the planner's parameter count, whole, in
+    target_dtype: prepare runs the whole target, also for a run whose trainer streams its features)
+    exceed the CPU memory available; the bytes, or None when they could not be sized."""
     if skipped():
         return None
     memory, where = cpu_share(1)
     try:
         if memory is None:
             raise ValueError(f"the planner has no memory size for {where}")
+        if model_args.target_dtype not in DTYPE_BYTES:
+            raise ValueError(f"target_dtype: {model_args.target_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         target = target_facts(load_target_config(model_args))
-        needed = target_weight_bytes(target, run_facts(model_args, data_args, training_args, 1, None, device="cpu"))
+        # the whole target, in this one process: never the embedding and head a streamed run's trainer loads
+        needed = target.parameters * DTYPE_BYTES[model_args.target_dtype]
     except Exception as error:  # an estimate that cannot be made must not stop a run
         logger.info("memory check skipped: the planner could not size the target (%s)", _short(error))
         return None

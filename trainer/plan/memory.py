@@ -3,6 +3,10 @@ derives every formula). In short, per rank:
 
     per_rank = target_weights + draft_weights + draft_gradients + optimizer_states
                + activations + loss_head + other
+
+With features streamed from vLLM servers, target_weights is the embedding and LM head alone and the
+plan also gives the feature bytes that cross the network per optimizer step
+(`streamed_feature_bytes`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class MemoryPlan:
     max_micro_batch: int
     micro_batch: int = 1
     settings: dict[str, Any] = field(default_factory=dict)
+    held_target_parameters: int | None = None  # streamed features: the embedding and LM head only
+    streamed_feature_bytes: int | None = None  # streamed features: bytes over the network per optimizer step
+    streamed_feature_formula: str = ""
 
     @property
     def per_rank_bytes(self) -> int:
@@ -72,13 +79,26 @@ class MemoryPlan:
             "draft_parameters": self.draft_parameters,
             "max_micro_batch": self.max_micro_batch,
             "parts": {name: int(self.parts[name]) for name in PARTS},
+            **(
+                {"streamed_feature_bytes_per_step": self.streamed_feature_bytes}
+                if self.streamed_feature_bytes is not None
+                else {}
+            ),
         }
 
     def describe(self) -> str:
         """A human-readable table."""
         lines = [f"{key}: {value}" for key, value in self.settings.items()]
+        if self.streamed_feature_bytes is not None:
+            lines.append(
+                f"features over the network per optimizer step: {self.streamed_feature_bytes / GIB:.2f} GiB "
+                f"({self.streamed_feature_formula})"
+            )
+        target = f"{self.target_parameters:,}"
+        if self.held_target_parameters is not None:
+            target += f" (loaded: {self.held_target_parameters:,}, the embedding and LM head)"
         lines += [
-            f"target parameters: {self.target_parameters:,}   draft parameters: {self.draft_parameters:,}",
+            f"target parameters: {target}   draft parameters: {self.draft_parameters:,}",
             f"per rank, micro-batch {self.micro_batch}:",
         ]
         lines += [f"  {name:<18}{self.parts[name] / GIB:>9.2f} GiB" for name in PARTS]
@@ -113,7 +133,11 @@ def _per_rank(count: int, world: int) -> int:
 
 def target_weight_bytes(target: TargetFacts, run: RunFacts) -> int:
     """Whole on every rank, or (target_sharding fsdp) embedding + final norm + LM head whole and the
-    decoder layers 1/world; the layer being all-gathered during capture is counted there."""
+    decoder layers 1/world; the layer being all-gathered during capture is counted there. With
+    features streamed from vLLM servers, the embedding and LM head alone (`TargetHead`: no layer,
+    no final norm; a tied head is the embedding)."""
+    if run.streams_features:
+        return target.head_only_parameters * run.target_bytes
     if not run.target_sharded:
         return target.parameters * run.target_bytes
     return (target.whole_parameters + _per_rank(target.layer_parameters, run.world_size)) * run.target_bytes
@@ -351,8 +375,10 @@ def capture_bytes(draft: DraftFacts, target: TargetFacts, run: RunFacts, shape: 
     outputs and their concatenation. All hidden states are kept when the last layer is needed
     (that path uses `output_hidden_states`). Distillation runs every layer and keeps the final
     hidden states too (one more [S, H]). Plus the [S, S] padding mask, and with a sharded target
-    the all-gathered current and prefetched layers."""
-    if not run.online:
+    the all-gathered current and prefetched layers. Nothing with offline or streamed features: the
+    target does not run here (streamed features arrive as the server sends them, in target_dtype,
+    and are counted with the step's features)."""
+    if not run.online or run.streams_features:
         return 0
     rows, context, h = shape.rows, shape.context, target.hidden_size
     deepest = max(draft.target_layer_ids)
@@ -365,6 +391,34 @@ def capture_bytes(draft: DraftFacts, target: TargetFacts, run: RunFacts, shape: 
     if run.target_sharded:
         total += 2 * target.largest_layer_parameters * run.target_bytes
     return total
+
+
+def streamed_feature_bytes(draft: DraftFacts, target: TargetFacts, run: RunFacts) -> int:
+    """Bytes of target features that cross the network in one optimizer step when they are streamed
+    from vLLM servers (`feature_endpoint`, `offline: false`): every micro-batch of every rank,
+
+        micro_batch x max_length x layers x hidden_size x target_dtype bytes
+                    x gradient_accumulation_steps x world_size
+
+    with `layers` = len(set(target_layer_ids)), the layers the server extracts (vLLM's ids are
+    sorted and de-duplicated; the client repeats a duplicate), each token's hidden states in the
+    server's dtype, target_dtype. A bound at full-length rows, the plan's case (a shorter sample
+    sends only its own tokens); the token ids and file headers beside the features (8 bytes a token,
+    against layers x hidden x 2) are not counted, nor evaluation steps. 0 when not streamed."""
+    if not run.streams_features:
+        return 0
+    layers = len(set(draft.target_layer_ids))
+    per_micro_batch = run.micro_batch * run.max_length * layers * target.hidden_size * run.target_bytes
+    return per_micro_batch * run.gradient_accumulation * run.world_size
+
+
+def streamed_feature_formula(draft: DraftFacts, target: TargetFacts, run: RunFacts) -> str:
+    """`streamed_feature_bytes`'s factors, as the plan prints them."""
+    return (
+        f"{run.micro_batch} rows x {run.max_length} tokens x {len(set(draft.target_layer_ids))} layers x "
+        f"{target.hidden_size} x {run.target_bytes} bytes, x {run.gradient_accumulation} micro-batches "
+        f"x {run.world_size} ranks"
+    )
 
 
 def dynamic_parts(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_batch: int) -> tuple[int, int]:
@@ -435,6 +489,9 @@ def plan_memory(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memor
         max_micro_batch=largest_micro_batch(draft, target, run, gpu_memory_bytes),
         micro_batch=run.micro_batch,
         settings=run.settings,
+        held_target_parameters=target.head_only_parameters if run.streams_features else None,
+        streamed_feature_bytes=streamed_feature_bytes(draft, target, run) if run.streams_features else None,
+        streamed_feature_formula=streamed_feature_formula(draft, target, run) if run.streams_features else "",
     )
 
 
@@ -456,4 +513,8 @@ def plan_run(
     target = target_facts(load_target_config(model_args, cache_root))
     check_pair(draft, target)
     run = run_facts(model_args, data_args, training_args, num_gpus, accelerate, device)
+    if run.streams_features:  # what a vLLM server cannot return is refused here as training refuses it
+        from trainer.data.engine_features import check_engine_layers
+
+        check_engine_layers(draft.target_layer_ids, target.num_layers, run.distills)
     return plan_memory(draft, target, run, gpu_memory_bytes)
