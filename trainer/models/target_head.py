@@ -215,7 +215,7 @@ class CheckpointFiles:
     def __init__(self, checkpoint: str):
         self.checkpoint = checkpoint
         self.local = Path(checkpoint).is_dir()
-        self.index = self._file(SAFETENSORS_INDEX, required=False)
+        self.index = self._file(SAFETENSORS_INDEX)
         if self.index is not None:
             content = read_json(self.index, None, dict)
             weight_map = content.get("weight_map")
@@ -223,7 +223,7 @@ class CheckpointFiles:
                 raise ValueError(f"{self.index} is truncated or corrupt: no valid weight_map")
             self.weight_map: dict[str, str] = weight_map
             return
-        single = self._file(SINGLE_FILE, required=False)
+        single = self._file(SINGLE_FILE)
         if single is None:
             if self.local:
                 refuse_pickle_only_weights(Path(checkpoint))
@@ -235,7 +235,8 @@ class CheckpointFiles:
         with safe_open(single, framework="pt") as handle:
             self.weight_map = dict.fromkeys(handle.keys(), SINGLE_FILE)
 
-    def _file(self, name: str, required: bool = True) -> Path | None:
+    def _file(self, name: str) -> Path | None:
+        """`name` in the checkpoint (downloaded from a Hub repo), or None when it has no such file."""
         if self.local:
             path = Path(self.checkpoint) / name
             return path if path.is_file() else None
