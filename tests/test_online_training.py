@@ -133,3 +133,21 @@ def test_a_streamed_training_killed_with_sigkill_resumes_with_only_the_samples_i
     assert len(set(asked_by_whole[:12])) == 12
     assert set(asked_by_whole[6:12]) <= asked_by_resumed
     assert not set(asked_by_whole[:6]) & asked_by_resumed
+
+
+def test_a_head_only_target_reuses_cached_answers_and_refuses_to_generate(tiny, tmp_path: Path):
+    """A streamed run answers no prompt itself: answers cached by the whole target (a `prepare
+    --regenerate-only` where it fits) are reused under the same key; without them, one line."""
+    from trainer.data.regeneration import GenerationSettings, prompt_conversation, regenerate
+    from trainer.models.target_head import TargetHead
+
+    root, _, target, _ = tiny
+    head = TargetHead.load(str(root / "target"))
+    conversations = [prompt_conversation("hello how are you"), prompt_conversation("tell me about the weather")]
+    settings = GenerationSettings(max_new_tokens=3, batch_size=2)
+    with pytest.raises(ValueError, match="regenerating in process needs the whole target") as error:
+        regenerate(head, conversations, settings, tmp_path / "cache", "prompts")
+    assert "\n" not in str(error.value) and str(error.value).startswith("prompts: ")
+    answered = regenerate(target, conversations, settings, tmp_path / "cache", "prompts")
+    reused = regenerate(head, conversations, settings, tmp_path / "cache", "prompts")
+    assert reused["input_ids"] == answered["input_ids"]

@@ -375,10 +375,6 @@ def regenerate(
     says which dataset an error is about. Through an endpoint the target's tokenizer is enough
     (`TargetTokenizer`).
     """
-    if endpoint is None and target.model is None:
-        raise ValueError(
-            "regenerating in process needs the target's weights: load the target, or set regenerate_endpoint"
-        )
     tokenizer = target.tokenizer
     key_parts: dict[str, Any] = {
         "target": target.fingerprint(),
@@ -465,6 +461,13 @@ def _last_served(record: Path) -> dict[str, Any] | None:
 def _regenerate_entry(path: Path, target, conversations, settings: GenerationSettings, name: str, endpoint) -> None:
     """Answer what the journal lacks, then write the cache entry `path` and remove the journal
     (the caller holds the entry's lock)."""
+    if endpoint is None and not target.runs_forward:  # cached answers were reused before getting here
+        raise ValueError(
+            f"{name}: regenerating in process needs the whole target, which is not loaded here (its tokenizer "
+            "alone, or its embedding and LM head for streamed features): set regenerate_endpoint (a vLLM or "
+            "SGLang server of the target), or answer the prompts first with `dflash2 prepare --regenerate-only` "
+            "where the target fits"
+        )
     tokenizer = target.tokenizer
     extra = template_kwargs(tokenizer, settings.enable_thinking)
     total = len(conversations)

@@ -211,6 +211,7 @@ class TargetSizes:
     """The target's depth and width, from its text config (weights loaded or not)."""
 
     text_config: PretrainedConfig
+    runs_forward = True  # whether its decoder layers are here to run (capture, generate)
 
     @property
     def num_layers(self) -> int:
@@ -227,6 +228,7 @@ class TargetTokenizer(TargetSizes):
     loaded target's, so the answers it caches are the ones training finds."""
 
     model = None
+    runs_forward = False
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, source: TargetSource):
         self.tokenizer, self.source = tokenizer, source

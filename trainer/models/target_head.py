@@ -107,6 +107,8 @@ class TargetHead(FrozenTarget):
     """A frozen target holding only its input embedding and LM head (`load`), for runs whose
     features are streamed from `feature_endpoint`."""
 
+    runs_forward = False
+
     @classmethod
     def load(
         cls,
