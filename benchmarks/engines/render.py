@@ -44,6 +44,68 @@ def command_line(server: dict[str, Any]) -> str:
     return " ".join([*environment, shlex.join(server["command"])])
 
 
+def mebibytes(count: float) -> str:
+    return f"{count / 2**20:,.1f}"
+
+
+def training_lines(training: dict[str, Any] | None) -> list[str]:
+    """One epoch of training from each source of features (benchmarks/engines/streamed.py)."""
+    if not training:
+        return []
+    lines = [
+        f"| training: one epoch, {training['supervised_tokens']} supervised tokens, micro-batch "
+        f"{training['micro_batch']} | train seconds | supervised tokens/s | trainer peak RSS (MiB) | "
+        "peak server files (MiB) | their bound (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in training["runs"].items():
+        disk = mebibytes(run["peak_server_file_bytes"]) if "peak_server_file_bytes" in run else "–"
+        bound = mebibytes(run["disk_bound_bytes"]) if "disk_bound_bytes" in run else "–"
+        lines.append(
+            f"| {name} | {run['train_seconds']:.1f} | {run['supervised_tokens_per_second']:.1f} | "
+            f"{mebibytes(run['peak_rss_bytes'])} | {disk} | {bound} |"
+        )
+    depth = training["prefetch_that_hides_the_engine"]
+    share = f"{training['hide_share']:.0%}"
+    hidden = (
+        f"streaming reaches {share} of the offline store's supervised tokens/s from feature_prefetch {depth} on"
+        if depth is not None
+        else f"no feature_prefetch tried reaches {share} of the offline store's supervised tokens/s here, where the "
+        "server computes on the same two cores as the training"
+    )
+    latency, step = training["engine_seconds_per_micro_batch"], training["step_seconds_without_waiting"]
+    return [
+        *lines,
+        "",
+        f"The offline store took {training['store_seconds']:.1f} s to write through vLLM before its run; {hidden}. "
+        "Server files on disk stay within feature_prefetch micro-batches (the bound, float32 here). The idle "
+        f"server answers a micro-batch in {latency * 1000:.0f} ms and a step with its features at hand takes "
+        f"{step * 1000:.0f} ms, so where the server has its own devices (the two-node layout of docs/scale.md) "
+        f"feature_prefetch {training['prefetch_to_hide_latency']} covers one answer per step "
+        "(⌈answer / step⌉; keep one more for jitter).",
+        "",
+    ]
+
+
+def memory_lines(memory: dict[str, Any] | None) -> list[str]:
+    """What a training process holds of the target, whole or embedding and LM head alone."""
+    if not memory:
+        return []
+    small, large = memory["smollm2"], memory["deepseek_v3"]
+    full, head = small["full"], small["head_only"]
+    return [
+        f"A training process's memory for the target ({small['dtype']}): loading `{small['target']}` whole, a "
+        f"fresh process peaks at {full['peak_rss_mib']:,.0f} MiB resident ({full['held_parameter_mib']:,.0f} MiB of "
+        f"parameters); as its embedding and LM head alone (`TargetHead`, streamed features) at "
+        f"{head['peak_rss_mib']:,.0f} MiB ({head['held_parameter_mib']:,.0f} MiB), of which "
+        f"{head['after_imports_rss_mib']:,.0f} MiB is Python, torch and transformers before any load. For "
+        f"`{large['config']}` ({large['dtype']}, counted on the meta device): {large['full_mib'] / 1024:,.0f} GiB "
+        f"whole against {large['head_only_mib'] / 1024:,.1f} GiB of embedding and LM head "
+        f"({large['head_only_fraction']:.2%}).",
+        "",
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     """The Markdown of one engines.json (the lines between the markers)."""
     machine, regeneration, features = result["machine"], result["regeneration"], result["features"]
@@ -70,6 +132,8 @@ def render(result: dict[str, Any]) -> str:
         f"vLLM / in process: {speed_ratio(features['runs']):.2f}× tokens/s; largest relative difference "
         f"of a sample's hidden states: {features['max_relative_error']:.1e}.",
         "",
+        *training_lines(result.get("training")),
+        *memory_lines(result.get("target_memory")),
         "Server start-up (not in the timings above): "
         + ", ".join(f"{name} {duration(server['startup_seconds'])}" for name, server in servers.items())
         + f"; the whole run {duration(result['total_seconds'])}. The servers' commands:",

@@ -5,7 +5,10 @@ feature extraction, each in process and through a real vLLM server at equal conc
 (a) regeneration of the first `--samples` short chitchat prompts (greedy, 32 new tokens): in
 process at batch 4 against a vLLM server with 4 requests in flight; (b) the target's hidden states
 of the same token samples (the regenerated conversations): in process at batch 4 against a vLLM
-feature server (extract_hidden_states) with 4 requests in flight. Each measurement writes into a
+feature server (extract_hidden_states) with 4 requests in flight; (c) training from the features
+captured in process, from the server's offline store and streamed from the server while training
+(benchmarks/engines/streamed.py), and the memory a training process needs for the target whole or
+as its embedding and LM head alone (benchmarks/target_memory.py). Each measurement writes into a
 fresh cache root (nothing reused) after a one-sample warm-up. Servers run one at a time, each
 started once and stopped by PID; the in-process runs happen while no server is up (2 cores).
 Writes benchmarks/results/engines.json (atomically) and its section of docs/results.md.
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engines.render import speed_ratio, write_docs
+from benchmarks.engines.streamed import StreamedTrainingBench
 from benchmarks.engines.vllm_server import (
     CPU_CONNECTOR,
     ENGINE_PYTHON,
@@ -34,6 +38,7 @@ from benchmarks.engines.vllm_server import (
     TARGET,
     VllmServer,
 )
+from benchmarks.target_memory import measure_target_memory
 
 RESULTS = REPO / "benchmarks" / "results"
 OUTPUT = RESULTS / "engines.json"
@@ -172,6 +177,8 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
             lambda cache: prepare_features(target, tokens, layer_ids, cache, batch_size=CONCURRENCY), root, "features"
         )
         feature_runs[in_process] = figures(seconds, feature_tokens)
+        training = StreamedTrainingBench(root / "training", layer_ids, target.hidden_size)
+        training.before_server()
 
         # through vLLM: the plain target server for regeneration
         with VllmServer(checkpoint, SERVER_ARGUMENTS, served_name=SERVED_NAME, log=logs / "regenerate.log") as server:
@@ -201,6 +208,9 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
             timed(lambda cache: features_through_server(cache, tokens.select([0])), root, "warm-vllm-features")
             seconds, engine_store = timed(features_through_server, root, "vllm-features")
             servers["features"] = server_record(server)
+            server.storage = storage
+            training.with_server(server)
+        training.after_server()
         feature_runs[served] = figures(seconds, feature_tokens)
         expected = store_fingerprint(target, layer_ids, torch.float32, False)
         errors = relative_errors(tokens, engine_store, local_store, expected)
@@ -225,6 +235,8 @@ def bench_engines(samples: int = SAMPLES, log_dir: Path | None = None) -> dict[s
             "vllm_over_in_process": speed_ratio(feature_runs),
             "max_relative_error": max(errors),
         },
+        "training": training.result(),
+        "target_memory": measure_target_memory(),
         "servers": servers,
         "total_seconds": time.perf_counter() - began,
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.engines.vllm_server import (
+    CPU_CONNECTOR,
     ENGINE_VENV,
     REPO,
     SERVED_NAME,
@@ -24,12 +25,13 @@ from benchmarks.engines.vllm_server import (
     VllmServer,
     engine_available,
 )
+from trainer.data.engine_features import engine_feature_arguments
 from trainer.fileio import default_cache_root
 from trainer.models.target import FrozenTarget, TargetSource, converted_gguf_path
 
 ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
 HERE = Path(__file__).parent
-__all__ = ["REPO", "SERVED_NAME", "TARGET", "start_server"]
+__all__ = ["REPO", "SERVED_NAME", "TARGET", "start_feature_server", "start_server"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -62,6 +64,16 @@ def target_checkpoint(smollm2: FrozenTarget) -> Path:
 
 def start_server(checkpoint: Path, log: Path, arguments: list[str] = (), **kwargs) -> VllmServer:
     return VllmServer(checkpoint, [*SERVER_ARGUMENTS, *arguments], served_name=SERVED_NAME, log=log, **kwargs).start()
+
+
+def start_feature_server(engine_root: Path, checkpoint: Path, name: str, layer_ids: list[int]) -> VllmServer:
+    """A server writing the hidden states of `layer_ids` under `engine_root/<name>` (its `storage`),
+    through the CPU variant of vLLM's stock hidden-states connector."""
+    storage = engine_root / name
+    arguments = engine_feature_arguments(layer_ids, storage, connector=CPU_CONNECTOR)
+    server = start_server(checkpoint, engine_root / f"{name}.log", arguments)
+    server.storage = storage
+    return server
 
 
 @pytest.fixture(scope="session")

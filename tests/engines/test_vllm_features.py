@@ -22,12 +22,11 @@ import datasets
 import pytest
 import torch
 
-from benchmarks.engines.vllm_server import CPU_CONNECTOR
-from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_server
+from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_feature_server
 from trainer.data.chat import render
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.endpoint import EndpointError, EndpointSettings
-from trainer.data.engine_features import PROGRESS_FILE, engine_feature_arguments, prepare_engine_features
+from trainer.data.engine_features import PROGRESS_FILE, prepare_engine_features
 from trainer.data.engine_servers import FeatureEndpointSettings
 from trainer.data.feature_store import FEATURE_INDEX, OfflineDataset, prepare_features, store_fingerprint
 from trainer.models.target import TargetTokenizer
@@ -41,10 +40,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def feature_server(engine_root: Path, target_checkpoint: Path):
-    storage = engine_root / "hidden_states"
-    arguments = engine_feature_arguments(LAYER_IDS, storage, connector=CPU_CONNECTOR)
-    server = start_server(target_checkpoint, engine_root / "features.log", arguments)
-    server.storage = storage
+    server = start_feature_server(engine_root, target_checkpoint, "hidden_states", LAYER_IDS)
     yield server
     server.stop()
 

@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.engines.vllm_server import CPU_CONNECTOR
-from tests.engines.conftest import REPO, SERVED_NAME, start_server
+from tests.engines.conftest import REPO, SERVED_NAME, start_feature_server
 from tests.engines.test_vllm_features import LAYER_IDS, training_losses, training_recipe
-from trainer.data.engine_features import engine_feature_arguments
 
 LOSS_TOLERANCE = 1e-4  # relative, per logged loss
 STEPS = 4
@@ -32,10 +30,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def streaming_server(engine_root: Path, target_checkpoint: Path):
-    storage = engine_root / "streamed_states"
-    arguments = engine_feature_arguments(LAYER_IDS, storage, connector=CPU_CONNECTOR)
-    server = start_server(target_checkpoint, engine_root / "streamed.log", arguments)
-    server.storage = storage
+    server = start_feature_server(engine_root, target_checkpoint, "streamed_states", LAYER_IDS)
     yield server
     server.stop()
 
@@ -125,10 +120,7 @@ def test_a_streamed_training_killed_with_sigkill_resumes_with_the_same_losses(
 
 @pytest.fixture(scope="module")
 def second_server(engine_root: Path, target_checkpoint: Path):
-    storage = engine_root / "second_states"
-    arguments = engine_feature_arguments(LAYER_IDS, storage, connector=CPU_CONNECTOR)
-    server = start_server(target_checkpoint, engine_root / "second.log", arguments)
-    server.storage = storage
+    server = start_feature_server(engine_root, target_checkpoint, "second_states", LAYER_IDS)
     yield server
     server.stop()
 
