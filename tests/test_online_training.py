@@ -151,3 +151,27 @@ def test_a_head_only_target_reuses_cached_answers_and_refuses_to_generate(tiny, 
     answered = regenerate(target, conversations, settings, tmp_path / "cache", "prompts")
     reused = regenerate(head, conversations, settings, tmp_path / "cache", "prompts")
     assert reused["input_ids"] == answered["input_ids"]
+
+
+def test_two_ranks_each_stream_their_own_samples_with_the_losses_of_in_process_capture(tiny, tmp_path: Path):
+    """DDP on two CPU ranks: each rank's loader processes ask only that rank's micro-batches (no
+    sample asked twice), and the logged losses are in-process capture's."""
+    from tests.test_distributed import logged_losses, torchrun
+
+    _, recipe, target, layer_ids = tiny
+    alone = {"num_eval_samples": 0, "eval_strategy": "no", "max_steps": 4}
+    local = {**yaml.safe_load(recipe.read_text()), **alone, "output_dir": str(tmp_path / "in-process")}
+    (tmp_path / "local.yaml").write_text(yaml.safe_dump(local))
+    torchrun(str(REPO / "examples" / "train.py"), str(tmp_path / "local.yaml"), cwd=tmp_path)
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    with FakeFeatureServer(storage, 2, target.hidden_size, hidden_of=target_hidden_of(target, layer_ids)) as server:
+        streamed = streamed_recipe(tmp_path, recipe, "streamed", server, **alone)
+        torchrun(str(REPO / "examples" / "train.py"), str(streamed), cwd=tmp_path)
+    assert len(server.samples) == len(set(server.samples)) >= 4 * 2 * 2  # steps x ranks x micro-batch
+    reference, got = (
+        logged_losses(json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"])
+        for name in ("in-process", "streamed")
+    )
+    assert [key for key, _ in got] == [key for key, _ in reference]
+    assert [value for _, value in got] == pytest.approx([value for _, value in reference], rel=1e-5)
