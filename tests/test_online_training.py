@@ -175,3 +175,19 @@ def test_two_ranks_each_stream_their_own_samples_with_the_losses_of_in_process_c
     )
     assert [key for key, _ in got] == [key for key, _ in reference]
     assert [value for _, value in got] == pytest.approx([value for _, value in reference], rel=1e-5)
+
+
+def test_prepare_of_a_streamed_recipe_tokenizes_and_asks_no_server(tiny, tmp_path: Path, capsys):
+    """Nothing is stored for a streamed run: `dflash2 prepare` builds its token samples and says the
+    features come while training (the endpoint, never contacted, may be down)."""
+    from trainer.data import prepare
+
+    _, recipe, _, _ = tiny
+    values = yaml.safe_load(recipe.read_text())
+    values.update(
+        feature_endpoint=["http://127.0.0.1:9/v1"], feature_storage_path=str(tmp_path), cache_dir=str(tmp_path / "c")
+    )
+    (tmp_path / "streamed.yaml").write_text(yaml.safe_dump(values))
+    prepare.main([str(tmp_path / "streamed.yaml")])
+    assert "features are streamed from feature_endpoint while training (offline: false)" in capsys.readouterr().out
+    assert not (tmp_path / "c" / "features").exists()
