@@ -45,18 +45,20 @@ def streamed_keys(*servers) -> dict:
     }
 
 
-def train(recipe: Path, *flags: str) -> subprocess.CompletedProcess:
+def training(recipe: Path, *flags: str, **popen) -> subprocess.Popen:
+    """`examples/train.py RECIPE FLAGS` started from the repository, PYTHONPATH unset."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "examples/train.py", str(recipe), *flags],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=1200,
+    return subprocess.Popen(
+        [sys.executable, "examples/train.py", str(recipe), *flags], cwd=REPO, env=environment, **popen
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+
+
+def train(recipe: Path, *flags: str) -> str:
+    """A whole training run that must succeed; its stderr."""
+    process = training(recipe, *flags, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, stderr = process.communicate(timeout=1200)
+    assert process.returncode == 0, stderr[-3000:]
+    return stderr
 
 
 def assert_same_losses(streamed: list[float], in_process: list[float]) -> None:
@@ -84,8 +86,8 @@ def test_streamed_training_logs_the_losses_of_in_process_capture(
 ):
     recipe = training_recipe(tmp_path, "streamed", packing=packing, **streamed_keys(streaming_server))
     before = set(streaming_server.storage.glob("*.safetensors"))
-    result = train(recipe)
-    assert "Streaming target features from" in result.stderr
+    stderr = train(recipe)
+    assert "Streaming target features from" in stderr
     assert not list((tmp_path / "cache-streamed").glob("features/*"))  # no feature store
     assert_same_losses(training_losses(recipe), in_process_losses[packing])
     # every sample's file is read and removed: what is left is at most the last nudge of each loader process
@@ -97,15 +99,7 @@ def test_a_streamed_training_killed_with_sigkill_resumes_with_the_same_losses(
     streaming_server, in_process_losses, tmp_path: Path
 ):
     recipe = training_recipe(tmp_path, "killed", save_steps=2, **streamed_keys(streaming_server))
-    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    process = subprocess.Popen(
-        [sys.executable, "examples/train.py", str(recipe)],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = training(recipe, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     checkpoint = tmp_path / "run-killed" / "checkpoint-2"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and process.poll() is None and not (checkpoint / "trainer_state.json").exists():
@@ -129,15 +123,7 @@ def test_a_server_killed_mid_run_is_dropped_and_the_run_finishes_on_the_other(
     streaming_server, second_server, in_process_losses, tmp_path: Path
 ):
     recipe = training_recipe(tmp_path, "two", **streamed_keys(second_server, streaming_server))
-    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    process = subprocess.Popen(
-        [sys.executable, "examples/train.py", str(recipe)],
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = training(recipe, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     killed = threading.Event()
 
