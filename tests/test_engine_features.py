@@ -207,10 +207,13 @@ def recipe_keys(**keys):
     ("keys", "problem"),
     [
         ({"feature_model": "m"}, "feature_model is set but feature_endpoint is not"),
-        ({"feature_endpoint": "http://h/v1", "offline": False}, "feature_endpoint is set but offline is false"),
-        ({"feature_endpoint": "host:8000"}, "feature_endpoint must be an http(s) URL"),
-        ({"feature_endpoint": "http://h/v1", "feature_concurrency": 0}, "feature_concurrency must be >= 1"),
-        ({"feature_endpoint": "http://h/v1", "feature_file_timeout": 0}, "feature_file_timeout must be > 0"),
+        ({"feature_endpoint": ["http://h/v1", "host:8000"]}, "feature_endpoint must be an http(s) URL"),
+        ({"feature_endpoint": ["http://h/v1"], "feature_concurrency": 0}, "feature_concurrency must be >= 1"),
+        ({"feature_endpoint": ["http://h/v1"], "feature_file_timeout": 0}, "feature_file_timeout must be > 0"),
+        (
+            {"feature_endpoint": ["http://a/v1", "http://b/v1"], "feature_storage_path": ["/a", "/b", "/c"]},
+            "feature_storage_path: 3 folders for 2 feature_endpoint servers",
+        ),
     ],
 )
 def test_feature_recipe_keys_are_checked_naming_the_key(keys, problem):
@@ -224,10 +227,17 @@ def test_feature_recipe_keys_become_the_clients_settings():
     from trainer.data.dataset import feature_endpoint_settings
 
     assert feature_endpoint_settings(recipe_keys()) is None
-    settings = feature_endpoint_settings(recipe_keys(feature_endpoint="http://h/v1", feature_concurrency=3))
-    assert (settings.endpoint.url, settings.endpoint.concurrency, settings.endpoint.key("timeout")) == (
+    settings = feature_endpoint_settings(recipe_keys(feature_endpoint=["http://h/v1"], feature_concurrency=3))
+    assert (settings.endpoint[0].url, settings.endpoint[0].concurrency, settings.endpoint[0].key("timeout")) == (
         "http://h/v1",
         3,
         "feature_timeout",
     )
     assert settings.file_timeout == 120.0
+    assert settings.storages == ("/shared/hidden-states",)
+    # offline: false streams from the same settings (one per server, each folder its own)
+    streamed = feature_endpoint_settings(
+        recipe_keys(offline=False, feature_endpoint=["http://a/v1", "http://b/v1"], feature_storage_path=["/a", "/b"])
+    )
+    assert [endpoint.url for endpoint in streamed.endpoints] == ["http://a/v1", "http://b/v1"]
+    assert streamed.storages == ("/a", "/b")
