@@ -35,8 +35,8 @@ def qwen3_like_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def qwen3_like_target(seed: int = 0) -> FrozenTarget:
-    """A random two-layer Llama over that tokenizer (its answers are whatever the weights say)."""
+def qwen3_like_target(seed: int = 0, layers: int = 4) -> FrozenTarget:
+    """A random `layers`-deep Llama over that tokenizer (its answers are whatever the weights say)."""
     tokenizer = qwen3_like_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -46,7 +46,7 @@ def qwen3_like_target(seed: int = 0) -> FrozenTarget:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

@@ -21,13 +21,19 @@ import torch
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
-from trainer.data.chat import tokenize_chat
+from trainer.data.chat import tokenize_chat_samples
 from trainer.data.endpoint import EndpointSettings
 from trainer.data.engine_features import check_engine_layers, prepare_engine_features
 from trainer.data.engine_servers import EngineLayout, FeatureEndpointSettings
 from trainer.data.feature_store import OfflineDataset, prepare_features, store_dtype, store_fingerprint
 from trainer.data.online_features import StreamedFeatures, StreamSource
-from trainer.data.regeneration import GenerationSettings, answer_points, prompt_conversation, regenerate
+from trainer.data.regeneration import (
+    GenerationSettings,
+    answer_points,
+    conversation_thinking,
+    prompt_conversation,
+    regenerate,
+)
 from trainer.fileio import default_cache_root, require_existing_path
 from trainer.models.target import FrozenTarget, TargetTokenizer
 from trainer.objective.blocks import valid_anchor_mask
@@ -37,6 +43,10 @@ logger = logging.getLogger(__name__)
 # Roles chat templates know; anything else (ShareGPT's "human" / "gpt") would render but never be
 # supervised as an assistant turn.
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+# A chat dataset's optional per-conversation columns: the tools the template offers (a list of
+# function schemas, or that list as a JSON string) and the thinking switch (true / false / null).
+TOOLS_COLUMN = "tools"
+THINKING_COLUMN = "enable_thinking"
 # Bytes of a JSON / JSONL file that carry no row (whitespace and empty containers), and its BOM.
 JSON_WHITESPACE = b" \t\r\n"
 JSON_STRUCTURE = JSON_WHITESPACE + b"[]{},"
@@ -134,9 +144,31 @@ def truncate_and_filter(
     return dataset
 
 
-def _tokenized(batch: dict[str, list], tokenizer, column: str, enable_thinking: bool | None) -> dict[str, list]:
-    samples = [tokenize_chat(tokenizer, messages, enable_thinking) for messages in batch[column]]
-    return {"input_ids": [s["input_ids"] for s in samples], "loss_mask": [s["loss_mask"] for s in samples]}
+def conversation_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A row's `tools`: a list of function schemas, that list as a JSON string, or null."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return value or None
+
+
+def _tokenized(
+    batch: dict[str, list], tokenizer, column: str, enable_thinking: bool | None, thinking_share: float | None
+) -> dict[str, list]:
+    """Every conversation's samples (`tokenize_chat_samples`: one, or one per rewrite group when
+    the template rewrites history), so a batch can come back with more rows than it had."""
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], THINKING_COLUMN: []}
+    recorded = enable_thinking is not None or thinking_share is not None or THINKING_COLUMN in batch
+    for index, messages in enumerate(batch[column]):
+        own = batch[THINKING_COLUMN][index] if THINKING_COLUMN in batch else None
+        thinking = conversation_thinking(messages, enable_thinking, thinking_share, own)
+        tools = conversation_tools(batch[TOOLS_COLUMN][index]) if TOOLS_COLUMN in batch else None
+        for sample in tokenize_chat_samples(tokenizer, messages, thinking, tools):
+            rows["input_ids"].append(sample["input_ids"])
+            rows["loss_mask"].append(sample["loss_mask"])
+            rows[THINKING_COLUMN].append(thinking)
+    if not recorded:  # no switch anywhere: the tokens alone, as before thinking could be mixed
+        del rows[THINKING_COLUMN]
+    return rows
 
 
 def tokenize_conversations(
@@ -145,15 +177,24 @@ def tokenize_conversations(
     messages_column: str = "messages",
     enable_thinking: bool | None = None,
     num_proc: int | None = None,
+    thinking_share: float | None = None,
 ) -> datasets.Dataset:
-    """Token ids and loss masks of every conversation: a batched `datasets.map`, cached on disk
-    under its fingerprint (a rerun reuses it) and spread over `num_proc` processes."""
+    """Token ids and loss masks of every conversation (several rows for one whose template rewrites
+    its history), with the thinking switch each was rendered with when one is set anywhere
+    (`enable_thinking`: a per-row column of the data, else `thinking_share`, else `enable_thinking`).
+    A batched `datasets.map`, cached on disk under its fingerprint (a rerun reuses it) and spread
+    over `num_proc` processes."""
     if messages_column not in conversations.column_names:
         raise ValueError(f"chat dataset has no '{messages_column}' column (columns: {conversations.column_names}).")
     return conversations.map(
         _tokenized,
         batched=True,
-        fn_kwargs={"tokenizer": tokenizer, "column": messages_column, "enable_thinking": enable_thinking},
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "column": messages_column,
+            "enable_thinking": enable_thinking,
+            "thinking_share": thinking_share,
+        },
         remove_columns=conversations.column_names,
         num_proc=num_proc,
         desc="applying the chat template",
@@ -255,6 +296,40 @@ def column_values(dataset: datasets.Dataset, column: str) -> Iterator[Any]:
         yield from batch[column]
 
 
+def message_problem(message: Any, index: int) -> str | None:
+    """Why message `index` cannot be rendered, or None: a known role, string content (an assistant
+    turn that calls tools may have none), tool calls as a list of {name, arguments} functions."""
+    if not isinstance(message, dict):
+        return f"message {index} is a {type(message).__name__}, not a {{role, content}} mapping"
+    role, content = message.get("role"), message.get("content")
+    if role is None:
+        return f"message {index} has no 'role'"
+    if role not in KNOWN_ROLES:
+        return f"message {index} has unknown role {role!r} (known: {', '.join(KNOWN_ROLES)})"
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            return f"message {index} has 'tool_calls' but role {role!r} (only assistant turns call tools)"
+        if not isinstance(calls, list) or not calls:
+            return f"message {index} has 'tool_calls' that is not a non-empty list"
+        for number, call in enumerate(calls):
+            function = (call.get("function") or call) if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                return f"message {index} tool call {number} has no function 'name'"
+            if not isinstance(function.get("arguments"), str | dict):
+                return f"message {index} tool call {number} has no 'arguments' (a JSON object or its string)"
+        if content is None:
+            return None
+    for key in ("reasoning_content", "reasoning"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            return f"message {index} has a {type(message[key]).__name__} '{key}', not a string"
+    if content is None:
+        return f"message {index} has no 'content'"
+    if not isinstance(content, str):
+        return f"message {index} has a {type(content).__name__} 'content', not a string"
+    return None
+
+
 def conversation_problem(messages: Any, column: str) -> str | None:
     """Why a chat template cannot render this row's conversation, or None."""
     if messages is None:
@@ -262,17 +337,29 @@ def conversation_problem(messages: Any, column: str) -> str | None:
     if not isinstance(messages, list) or not messages:
         return f"'{column}' must be a non-empty list of {{role, content}} messages"
     for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"message {index} is a {type(message).__name__}, not a {{role, content}} mapping"
-        role, content = message.get("role"), message.get("content")
-        if role is None:
-            return f"message {index} has no 'role'"
-        if role not in KNOWN_ROLES:
-            return f"message {index} has unknown role {role!r} (known: {', '.join(KNOWN_ROLES)})"
-        if content is None:
-            return f"message {index} has no 'content'"
-        if not isinstance(content, str):
-            return f"message {index} has a {type(content).__name__} 'content', not a string"
+        problem = message_problem(message, index)
+        if problem:
+            return problem
+    return None
+
+
+def tools_problem(value: Any) -> str | None:
+    """Why a row's `tools` cannot be offered to the template, or None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            return f"'{TOOLS_COLUMN}' is a string that is not JSON ({error})"
+    if not isinstance(value, list):
+        return f"'{TOOLS_COLUMN}' is a {type(value).__name__}, not a list of function schemas"
+    for index, tool in enumerate(value):
+        function = (tool.get("function") or tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"'{TOOLS_COLUMN}' item {index} is not a function schema with a 'name'"
     return None
 
 
@@ -283,6 +370,19 @@ def check_conversations(conversations: Iterable[Any], name: str, column: str) ->
         problem = conversation_problem(messages, column)
         if problem:
             raise ValueError(f"dataset {name} row {row}: {problem}")
+
+
+def check_chat_columns(raw: datasets.Dataset, name: str) -> None:
+    """Refuse the first row whose `tools` or `enable_thinking` column cannot be used, naming it."""
+    if TOOLS_COLUMN in raw.column_names:
+        for row, value in enumerate(column_values(raw, TOOLS_COLUMN)):
+            problem = tools_problem(value)
+            if problem:
+                raise ValueError(f"dataset {name} row {row}: {problem}")
+    if THINKING_COLUMN in raw.column_names:
+        for row, value in enumerate(column_values(raw, THINKING_COLUMN)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"dataset {name} row {row}: '{THINKING_COLUMN}' is {value!r}, not true, false or null")
 
 
 def check_prompts(prompts: Iterable[Any], name: str, column: str) -> None:
@@ -300,12 +400,22 @@ def check_answerable(conversations: Iterable[Sequence[dict[str, str]]], name: st
     for row, messages in enumerate(conversations):
         try:
             answer_points(messages)
+            if any(message.get("tool_calls") or message["role"] == "tool" for message in messages):
+                raise ValueError(
+                    "a conversation with tool calls cannot be regenerated (the tools are not run here): "
+                    "set regenerate: false to train on it as written"
+                )
         except ValueError as error:
             raise ValueError(f"dataset {name} row {row}: {error}") from None
 
 
 def check_sample_counts(args) -> None:
     """Refuse sample counts that cannot mean anything, before any data is loaded."""
+    if args.thinking_share is not None and args.enable_thinking is not None:
+        raise ValueError(
+            f"thinking_share={args.thinking_share} and enable_thinking={args.enable_thinking} are both set: "
+            "thinking_share mixes thinking on and off, so unset enable_thinking"
+        )
     if args.num_eval_samples < 0:
         raise ValueError(f"num_eval_samples={args.num_eval_samples} must be >= 0")
     if args.num_train_samples is not None and args.num_train_samples <= 0:
@@ -422,8 +532,15 @@ def conversations_or_prompts(raw: datasets.Dataset, args) -> tuple[datasets.Data
     name, messages_column, prompt_column = args.dataset, args.messages_column, args.prompt_column
     if messages_column in raw.column_names:
         check_conversations(column_values(raw, messages_column), name, messages_column)
+        check_chat_columns(raw, name)
         if not args.regenerate:
             return raw, None
+        if TOOLS_COLUMN in raw.column_names or THINKING_COLUMN in raw.column_names:
+            column = TOOLS_COLUMN if TOOLS_COLUMN in raw.column_names else THINKING_COLUMN
+            raise ValueError(
+                f"dataset {name} has a '{column}' column, which regeneration does not read (the target cannot run "
+                "the tools; thinking is mixed with thinking_share): set regenerate: false to train on it as written"
+            )
         check_answerable(column_values(raw, messages_column), name)
         return None, ConversationRows(raw, messages_column)
     if prompt_column in raw.column_names:
@@ -487,6 +604,7 @@ def generation_settings(args) -> GenerationSettings:
         top_p=args.generation_top_p,
         batch_size=args.generation_batch_size,
         enable_thinking=args.enable_thinking,
+        thinking_share=args.thinking_share,
     )
 
 
@@ -524,7 +642,12 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
 
         def tokenized(rows: Sequence[int]) -> datasets.Dataset:
             return tokenize_conversations(
-                target.tokenizer, chat.select(rows), args.messages_column, args.enable_thinking, args.dataset_num_proc
+                target.tokenizer,
+                chat.select(rows),
+                args.messages_column,
+                args.enable_thinking,
+                args.dataset_num_proc,
+                args.thinking_share,
             )
 
         train_rows, eval_rows = held_out(range(len(chat)))
@@ -532,7 +655,9 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
         evaluation = tokenized(eval_rows) if len(eval_rows) else None
 
     def usable(dataset: datasets.Dataset, name: str) -> datasets.Dataset:
-        columns = dataset.select_columns(["input_ids", "loss_mask"])
+        """The token columns, and which thinking switch each sample was rendered with (when recorded)."""
+        kept = ["input_ids", "loss_mask"] + [THINKING_COLUMN] * (THINKING_COLUMN in dataset.column_names)
+        columns = dataset.select_columns(kept)
         return truncate_and_filter(columns, args.max_length, name, args.dataset_num_proc)
 
     return usable(train, train_name), None if evaluation is None else usable(evaluation, eval_name)

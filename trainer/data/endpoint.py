@@ -17,7 +17,9 @@ one line, so no server can hold a run longer than its settings say.
 
 The answer's text is turned back into the target's token ids with the target's own tokenizer; when
 the server stopped on the end of the turn, the template's end-of-turn token closes the answer, as
-`generate` would have produced it.
+`generate` would have produced it. A server with a reasoning parser returns a thinking model's
+reasoning apart (`reasoning_content`): it is kept (`EndpointAnswer.reasoning`), and the answer's
+ids are the template's rendering of the turn with it (trainer/data/regeneration.py).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class EndpointSettings:
 class EndpointAnswer:
     text: str
     finish_reason: str  # "stop": the model ended its turn; "length": cut at max_tokens
+    reasoning: str = ""  # the thinking a server's reasoning parser returned apart from the content
 
 
 class EndpointClient:
@@ -265,7 +268,16 @@ class EndpointClient:
         tokens = body.get("tokens") if isinstance(body, dict) else None
         return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
 
-    async def _complete(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+    async def _complete(
+        self,
+        messages,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
         payload: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -276,8 +288,9 @@ class EndpointClient:
         }
         if seed is not None:
             payload["seed"] = seed
-        if self.settings.chat_template_kwargs:
-            payload["chat_template_kwargs"] = self.settings.chat_template_kwargs
+        template_kwargs = {**self.settings.chat_template_kwargs, **(chat_template_kwargs or {})}
+        if template_kwargs:
+            payload["chat_template_kwargs"] = template_kwargs
         return await self._post_object("/chat/completions", payload)
 
     async def _post_object(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -300,9 +313,26 @@ class EndpointClient:
         payload = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0}
         return await self._post_object("/completions", payload)
 
-    async def answer(self, messages, *, max_tokens: int, temperature: float, top_p: float, seed: int | None):
-        """The target's answer to `messages` (the server templates them)."""
-        body = await self._complete(messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    async def answer(
+        self,
+        messages,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> EndpointAnswer:
+        """The target's answer to `messages` (the server templates them, with `chat_template_kwargs`
+        over the settings' own): its content, and its reasoning when a reasoning parser split it off."""
+        body = await self._complete(
+            messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         url = f"{self.base}/chat/completions"
         choices = body.get("choices")
         if not isinstance(choices, list):
@@ -319,14 +349,13 @@ class EndpointClient:
         if content is not None and not isinstance(content, str):
             raise EndpointError(f"{url} answered a `message.content` that is not a string: {json.dumps(content)[:100]}")
         finish_reason = choice.get("finish_reason")
-        if message.get("reasoning_content") or message.get("reasoning"):
-            raise EndpointError(
-                f"{self.name} {self.base} splits the answer's reasoning from its content: serve the target "
-                "without a reasoning parser (vLLM --reasoning-parser, SGLang --reasoning-parser) so the whole "
-                "answer the draft must learn arrives as content"
-            )
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+        if not isinstance(reasoning, str):
+            raise EndpointError(f"{url} answered a reasoning that is not a string: {json.dumps(reasoning)[:100]}")
         return EndpointAnswer(
-            text=content or "", finish_reason=finish_reason if isinstance(finish_reason, str) else "stop"
+            text=content or "",
+            finish_reason=finish_reason if isinstance(finish_reason, str) else "stop",
+            reasoning=reasoning,
         )
 
 

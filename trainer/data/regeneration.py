@@ -13,9 +13,18 @@ by a rerun, since a misbehaving server is the likely cause). Skipped conversatio
 at max_new_tokens are counted in one warning; a dataset with no sample at all is never cached (its
 journal stays, and a rerun asks again for what the server refused or left empty).
 
-A sample with one answer is the templated prompt followed by the answer's own token ids (what the
-target produced, not a re-tokenisation); a sample with several answers is the regenerated
-conversation through the chat template (`tokenize_chat`), every answer supervised.
+A conversation with one answer is one sample: the templated prompt followed by the answer's own
+token ids (what the target produced, not a re-tokenisation). A conversation with several answers is
+the regenerated conversation through the chat template (`tokenize_chat_samples`), every answer
+supervised: one sample when the template is prefix-stable, one per rewrite group when it rewrites
+history (trainer/data/chat.py).
+
+Thinking: an answer's reasoning is kept with it, inline (`generate`'s text keeps `<think>...</think>`)
+or as `reasoning` (an endpoint serving with a reasoning parser returns it apart, as
+`reasoning_content`), and every later prompt is rendered from the history with it, so the template
+keeps or drops it exactly as it does for the engine. `thinking_share` answers a deterministic share
+of the conversations with thinking on and the others with it off (`conversation_thinking`); each
+sample records its switch (`enable_thinking` column).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from trainer.data.chat import end_of_turn_ids, render, template_kwargs, tokenize_chat
+from trainer.data.chat import end_of_turn_ids, render, template_kwargs, tokenize_chat_samples
 from trainer.data.endpoint import (
     PROBE_MESSAGES,
     EndpointClient,
@@ -65,6 +74,30 @@ class GenerationSettings:
     batch_size: int = 16
     seed: int = 0
     enable_thinking: bool | None = None
+    thinking_share: float | None = None  # set: this share of the conversations thinks, the others do not
+
+
+def conversation_thinking(
+    messages: Any, enable_thinking: bool | None, thinking_share: float | None, own: bool | None = None
+) -> bool | None:
+    """The thinking switch a conversation is rendered (and answered) with: its own (a data column),
+    else on for a `thinking_share` of the conversations chosen by a hash of the conversation (the
+    same conversation always gets the same switch, whatever its row or the run), else `enable_thinking`."""
+    if own is not None:
+        return own
+    if thinking_share is None:
+        return enable_thinking
+    # the fields a message has, whatever nulls a columnar reader filled in for the fields others have
+    present = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    text = json.dumps(present, sort_keys=True, ensure_ascii=False).encode()
+    draw = int.from_bytes(hashlib.sha256(b"thinking_share\0" + text).digest()[:8], "big") / 2**64
+    return draw < thinking_share
+
+
+def thinking_of(tokenizer, messages, settings: GenerationSettings) -> tuple[bool | None, dict[str, Any]]:
+    """(the conversation's thinking switch, the template's keyword arguments for it)."""
+    thinking = conversation_thinking(messages, settings.enable_thinking, settings.thinking_share)
+    return thinking, template_kwargs(tokenizer, thinking)
 
 
 def prompt_conversation(prompt: str, system_prompt: str | None = None) -> list[dict[str, str]]:
@@ -83,16 +116,44 @@ def answer_points(messages: Sequence[dict[str, str]]) -> list[int]:
     return points
 
 
-def regenerated_history(messages: Sequence[dict[str, str]], answers: Sequence[str], end: int) -> list[dict[str, str]]:
-    """messages[:end] with the first len(answers) assistant turns replaced by the target's answers."""
+def answer_message(answer: str | dict[str, Any]) -> dict[str, str]:
+    """The assistant message of an answer: its text, and its reasoning when it came apart."""
+    if isinstance(answer, str):
+        return {"role": "assistant", "content": answer}
+    message = {"role": "assistant", "content": answer["text"]}
+    if answer.get("reasoning"):
+        message["reasoning_content"] = answer["reasoning"]
+    return message
+
+
+def regenerated_history(
+    messages: Sequence[dict[str, str]], answers: Sequence[str | dict[str, Any]], end: int
+) -> list[dict[str, str]]:
+    """messages[:end] with the first len(answers) assistant turns replaced by the target's answers
+    (texts, or journal turns whose reasoning came apart)."""
     history, used = [], 0
     for message in messages[:end]:
-        content = message["content"]
         if message["role"] == "assistant":
-            content = answers[used]
+            history.append(answer_message(answers[used]))
             used += 1
-        history.append({"role": message["role"], "content": content})
+        else:
+            history.append({"role": message["role"], "content": message["content"]})
     return history
+
+
+def answer_ids(tokenizer, history, text: str, reasoning: str, stopped: bool, closing: int, extra) -> list[int]:
+    """An endpoint's answer as the target's token ids: its text re-tokenized, closed with the
+    end-of-turn token when it ended its turn. An answer whose reasoning came apart is rendered as
+    the template renders the turn it answers (reasoning in its place), through the end of the turn."""
+    if not reasoning:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return [*ids, closing] if stopped else ids
+    message = answer_message({"text": text, "reasoning": reasoning})
+    prompt = render(tokenizer, history, True, extra)
+    through = render(tokenizer, [*history, message], False, extra)[len(prompt) :]
+    end = next((i + 1 for i, token in enumerate(through) if token in end_of_turn_ids(tokenizer)), len(through))
+    ids = through[:end]
+    return ids if stopped or ids[-1] not in end_of_turn_ids(tokenizer) else ids[:-1]
 
 
 def closing_token_id(tokenizer: PreTrainedTokenizerBase, extra: dict[str, Any]) -> int:
@@ -147,7 +208,7 @@ def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: Ge
 
 
 def _batches_of_answerable(
-    conversations, rows: Iterable[int], settings, tokenizer, extra, journal
+    conversations, rows: Iterable[int], settings, tokenizer, journal
 ) -> Iterator[dict[int, tuple[list[dict[str, str]], list[int]]]]:
     """Batches of `batch_size` rows, each with its conversation and first prompt's ids; a row whose
     first prompt is over max_prompt_length is recorded as skipped instead (so batches hold only
@@ -155,6 +216,7 @@ def _batches_of_answerable(
     batch: dict[int, tuple[list[dict[str, str]], list[int]]] = {}
     for row in rows:
         messages = conversations[row]
+        extra = thinking_of(tokenizer, messages, settings)[1]
         first = render(tokenizer, regenerated_history(messages, [], answer_points(messages)[0]), True, extra)
         if len(first) > settings.max_prompt_length:
             journal.append({"row": row, "skipped": SKIP_TOO_LONG})
@@ -169,8 +231,7 @@ def _batches_of_answerable(
 
 def _answer_in_process(target: FrozenTarget, conversations, rows, settings, journal, progress) -> None:
     tokenizer = target.tokenizer
-    extra = template_kwargs(tokenizer, settings.enable_thinking)
-    batches = _batches_of_answerable(conversations, rows, settings, tokenizer, extra, journal)
+    batches = _batches_of_answerable(conversations, rows, settings, tokenizer, journal)
     for batch_index, batch in enumerate(batches):
         turns: dict[int, list[dict[str, Any]]] = {row: [] for row in batch}
         points = {row: answer_points(messages) for row, (messages, _) in batch.items()}
@@ -192,7 +253,7 @@ def _answer_in_process(target: FrozenTarget, conversations, rows, settings, jour
                 if turn < len(points[row]):
                     answers = [answer["text"] for answer in turns[row]]
                     history = regenerated_history(batch[row][0], answers, points[row][turn])
-                    ids = render(tokenizer, history, True, extra)
+                    ids = render(tokenizer, history, True, thinking_of(tokenizer, batch[row][0], settings)[1])
                     if len(ids) <= settings.max_prompt_length:  # a later turn over the limit ends the conversation
                         prompts[row] = ids
         for row in batch:
@@ -210,6 +271,7 @@ async def _answer_through_endpoint(
 ) -> None:
     extra = template_kwargs(tokenizer, settings.enable_thinking)
     closing = closing_token_id(tokenizer, extra)
+    mixed = settings.thinking_share is not None
     pending = iter(rows)  # shared by the workers: each row is taken once
 
     async with EndpointClient(endpoint) as client:
@@ -217,11 +279,12 @@ async def _answer_through_endpoint(
 
         async def answer(row: int) -> dict[str, Any]:
             messages = conversations[row]
+            thinking, own = thinking_of(tokenizer, messages, settings)
             turns: list[dict[str, Any]] = []
             skipped = SKIP_TOO_LONG
             for turn, point in enumerate(answer_points(messages)):
-                history = regenerated_history(messages, [t["text"] for t in turns], point)
-                if len(render(tokenizer, history, True, extra)) > settings.max_prompt_length:
+                history = regenerated_history(messages, turns, point)
+                if len(render(tokenizer, history, True, own)) > settings.max_prompt_length:
                     break
                 seed = settings.seed * 1_000_003 + row * 1_009 + turn if settings.temperature > 0 else None
                 try:
@@ -231,6 +294,7 @@ async def _answer_through_endpoint(
                         temperature=settings.temperature,
                         top_p=settings.top_p,
                         seed=seed,
+                        chat_template_kwargs={"enable_thinking": thinking} if mixed else None,
                     )
                 except EndpointRefusal as refusal:
                     logger.debug("row %d turn %d refused: %s", row, turn, refusal)
@@ -240,10 +304,12 @@ async def _answer_through_endpoint(
                     logger.debug("row %d turn %d: empty answer (finish_reason %s)", row, turn, reply.finish_reason)
                     skipped = SKIP_EMPTY
                     break
-                ids = tokenizer.encode(reply.text, add_special_tokens=False)
-                if reply.finish_reason == "stop":
-                    ids.append(closing)
-                turns.append({"text": reply.text, "ids": ids})
+                stopped = reply.finish_reason == "stop"
+                ids = answer_ids(tokenizer, history, reply.text, reply.reasoning, stopped, closing, own)
+                answered = {"text": reply.text, "ids": ids}
+                if reply.reasoning:
+                    answered["reasoning"] = reply.reasoning
+                turns.append(answered)
             return {"row": row, "turns": turns} if turns else {"row": row, "skipped": skipped}
 
         async def worker() -> None:
@@ -271,25 +337,27 @@ def conversations_digest(conversations: Sequence[Sequence[dict[str, str]]]) -> s
     return hasher.hexdigest()
 
 
-def sample_of(tokenizer, messages, turns: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """One training sample from a conversation and the target's answers (see the module docstring)."""
+def sample_of(tokenizer, messages, turns: list[dict[str, Any]], extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation's training samples from the target's answers (see the module docstring):
+    one for one answer; for several, one per rewrite group of the chat template."""
     points = answer_points(messages)
-    answers = [turn["text"] for turn in turns]
     if len(turns) == 1:
         history = regenerated_history(messages, [], points[0])
         prompt = render(tokenizer, history, True, extra)
         ids = turns[0]["ids"]
-        return {
-            "input_ids": prompt + ids,
-            "loss_mask": [0] * len(prompt) + [1] * len(ids),
-            "prompt": history[-1]["content"],
-            "response": answers[0],
-        }
+        return [
+            {
+                "input_ids": prompt + ids,
+                "loss_mask": [0] * len(prompt) + [1] * len(ids),
+                "prompt": history[-1]["content"],
+                "response": turns[0]["text"],
+            }
+        ]
     last = points[len(turns) - 1]
-    history = regenerated_history(messages, answers[:-1], last)
-    conversation = [*history, {"role": "assistant", "content": answers[-1]}]
-    sample = tokenize_chat(tokenizer, conversation, extra.get("enable_thinking"))
-    return {**sample, "prompt": history[-1]["content"], "response": answers[-1]}
+    history = regenerated_history(messages, turns[:-1], last)
+    conversation = [*history, answer_message(turns[-1])]
+    samples = tokenize_chat_samples(tokenizer, conversation, extra.get("enable_thinking"))
+    return [{**sample, "prompt": history[-1]["content"], "response": turns[-1]["text"]} for sample in samples]
 
 
 @dataclass
@@ -297,6 +365,7 @@ class Tally:
     """What the pass writing the dataset found in the journal, for the one summary warning."""
 
     written: int = 0  # conversations turned into samples
+    samples: int = 0  # the samples they became (more than one for a template that rewrites history)
     skipped: dict[str, int] = field(default_factory=dict)  # skip reason -> conversations
     answers: int = 0
     cut: int = 0  # answers that did not end their turn: stopped at max_new_tokens
@@ -325,10 +394,16 @@ class Tally:
         return "; ".join(parts) or None
 
 
-def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tokenizer, extra, tally: Tally) -> None:
-    """save_to_disk of every answered conversation in row order, SHARD_SAMPLES at a time, counting
-    into `tally` what was skipped and cut; writes nothing when no conversation was answered."""
-    shards, rows = [], {"input_ids": [], "loss_mask": [], "prompt": [], "response": []}
+def _write_dataset(
+    directory: Path, journal: ResponseJournal, conversations, tokenizer, settings: GenerationSettings, tally: Tally
+) -> None:
+    """save_to_disk of every answered conversation's samples in row order, about SHARD_SAMPLES at a
+    time, with the thinking switch each was answered with, counting into `tally` what was skipped
+    and cut; writes nothing when no conversation was answered."""
+    recorded = settings.enable_thinking is not None or settings.thinking_share is not None
+    columns = ("input_ids", "loss_mask", "prompt", "response") + ("enable_thinking",) * recorded
+    shards: list[datasets.Dataset] = []
+    rows: dict[str, list] = {column: [] for column in columns}
     ends = end_of_turn_ids(tokenizer)  # what an answer that ended its turn ends with (both paths)
 
     def flush() -> None:
@@ -342,12 +417,16 @@ def _write_dataset(directory: Path, journal: ResponseJournal, conversations, tok
         if "turns" not in record:
             tally.skipped[record["skipped"]] = tally.skipped.get(record["skipped"], 0) + 1
             continue
-        for key, value in sample_of(tokenizer, conversations[record["row"]], record["turns"], extra).items():
-            rows[key].append(value)
+        messages = conversations[record["row"]]
+        thinking, extra = thinking_of(tokenizer, messages, settings)
+        for sample in sample_of(tokenizer, messages, record["turns"], extra):
+            for key, value in ({**sample, "enable_thinking": thinking} if recorded else sample).items():
+                rows[key].append(value)
+            tally.samples += 1
         tally.written += 1
         tally.answers += len(record["turns"])
         tally.cut += sum(turn["ids"][-1] not in ends for turn in record["turns"])
-        if len(rows["input_ids"]) == SHARD_SAMPLES:
+        if len(rows["input_ids"]) >= SHARD_SAMPLES:
             flush()
     if rows["input_ids"]:
         flush()
@@ -368,7 +447,9 @@ def regenerate(
     """Conversations (or prompt conversations) -> answered by the target, as token ids.
 
     `input_ids` / `loss_mask` (1 on the target's answers), `prompt` and `response` (the last
-    answer's text). Cached under a key of the target, the conversations, the settings, the chat
+    answer's text), `enable_thinking` (the switch it was answered with); a conversation is several
+    rows when the template rewrites its history (`sample_of`).
+    Cached under a key of the target, the conversations, the settings, the chat
     template and, through an endpoint, the served model as the server reports it (not its URL:
     `_endpoint_entry`); a finished result is reused as is, an interrupted one resumed.
     `conversations` is any indexable sequence (a dataset's rows are read one at a time). `name`
@@ -379,7 +460,7 @@ def regenerate(
     key_parts: dict[str, Any] = {
         "target": target.fingerprint(),
         "prompts": conversations_digest(conversations),
-        "settings": asdict(settings),
+        "settings": {k: v for k, v in asdict(settings).items() if v is not None or k != "thinking_share"},
         "template": tokenizer.chat_template,
     }
     served_record = None
@@ -469,7 +550,9 @@ def _regenerate_entry(path: Path, target, conversations, settings: GenerationSet
             "where the target fits"
         )
     tokenizer = target.tokenizer
-    extra = template_kwargs(tokenizer, settings.enable_thinking)
+    template_kwargs(tokenizer, settings.enable_thinking)  # a switch the template lacks is refused before any work
+    if settings.thinking_share is not None:
+        template_kwargs(tokenizer, True)
     total = len(conversations)
     with ResponseJournal(path.with_name(path.name + ".journal.jsonl"), total, len(tokenizer)) as journal:
         rows = [row for row in range(len(conversations)) if row not in journal]
@@ -490,7 +573,7 @@ def _regenerate_entry(path: Path, target, conversations, settings: GenerationSet
         tally = Tally()
 
         def write(directory: Path) -> None:
-            _write_dataset(directory, journal, conversations, tokenizer, extra, tally)
+            _write_dataset(directory, journal, conversations, tokenizer, settings, tally)
             if tally.written == 0:
                 raise ValueError(nothing_answered(name, total, tally, settings, journal))
 

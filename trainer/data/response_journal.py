@@ -66,6 +66,8 @@ def record_problem(record: Any, rows: int, vocabulary: int) -> str | None:
                 return f"row {row} answer {index} is empty"
             if not isinstance(ids, list) or not ids:
                 return f"row {row} answer {index} has no token ids"
+            if not isinstance(turn.get("reasoning", ""), str):
+                return f"row {row} answer {index} has a reasoning that is not a string"
             for token in ids:
                 if type(token) is not int or not 0 <= token < vocabulary:
                     outside = f"outside the vocabulary (0..{vocabulary - 1})"
@@ -78,7 +80,7 @@ def record_problem(record: Any, rows: int, vocabulary: int) -> str | None:
 
 
 class ResponseJournal:
-    """Finished conversations by row index: `{"row": i, "turns": [{"text", "ids"}, ...]}` or
+    """Finished conversations by row index: `{"row": i, "turns": [{"text", "ids"[, "reasoning"]}, ...]}` or
     `{"row": i, "skipped": why}`, for `rows` conversations answered with token ids below `vocabulary`."""
 
     def __init__(self, path: Path, rows: int, vocabulary: int):

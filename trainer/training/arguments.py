@@ -130,6 +130,15 @@ class DataArguments:
     )
     system_prompt: str | None = None
     enable_thinking: bool | None = None
+    thinking_share: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mix thinking on and off: this share of the conversations (0 to 1, chosen by a hash of each "
+            "conversation) is rendered and answered with the template's thinking on, the others off; each sample "
+            "records its switch (`enable_thinking` column). Instead of enable_thinking; a chat dataset's own "
+            "`enable_thinking` column wins per row."
+        },
+    )
     offline: bool = field(
         default=False, metadata={"help": "Capture target hidden states once into a cache and train from disk."}
     )
@@ -262,6 +271,7 @@ RULES: dict[str, Rule] = {
     "max_length": at_least(1),
     "max_new_tokens": at_least(1),
     "max_prompt_length": at_least(1),
+    "thinking_share": between(0, 1),
     "generation_temperature": at_least(0, "(0: greedy)"),
     "generation_top_p": between(0, 1, low_open=True),
     "generation_batch_size": at_least(1),

@@ -89,6 +89,7 @@ DATA_FIELDS = (
     "regenerate_model",
     "system_prompt",
     "enable_thinking",
+    "thinking_share",
 )
 # The objective's own fields (`ObjectiveConfig`, named alike in the recipe), but the loss head's
 # chunking, which changes memory and not what is computed.
