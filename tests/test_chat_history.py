@@ -208,3 +208,20 @@ def test_the_dataset_map_returns_every_sample_and_records_the_switch(tokenizer):
     assert tokenize_conversations(tokenizer, tools)["input_ids"] == [
         tokenize_chat_samples(tokenizer, TOOL_CONVERSATION, tools=[WEATHER])[0]["input_ids"]
     ]
+
+
+def test_thinking_share_is_checked_and_part_of_the_resume_identity(tmp_path):
+    from trainer.data.dataset import check_sample_counts
+    from trainer.training.arguments import DataArguments, parse_arguments
+    from trainer.training.resume_check import changed_fields
+
+    recipe = tmp_path / "recipe.yaml"
+    for value, words in (("1.5", "thinking_share must be"), ("yes", "thinking_share")):
+        recipe.write_text(f"target: t\ndraft_config: d.json\noutput_dir: {tmp_path / 'out'}\nthinking_share: {value}\n")
+        with pytest.raises(ValueError) as refused:
+            parse_arguments([str(recipe)])
+        assert words in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"^thinking_share=0.5 and enable_thinking=True are both set"):
+        check_sample_counts(DataArguments(thinking_share=0.5, enable_thinking=True))
+    old = {"data_arguments": {"thinking_share": None}}
+    assert changed_fields(old, {"data_arguments": {"thinking_share": 0.5}}) == [("thinking_share", None, 0.5)]

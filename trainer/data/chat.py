@@ -34,7 +34,9 @@ def template_kwargs(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool | 
     if enable_thinking is None:
         return {}
     if "enable_thinking" not in (tokenizer.chat_template or ""):
-        raise ValueError("enable_thinking is set but this tokenizer's chat template has no thinking switch.")
+        raise ValueError(
+            "enable_thinking (or thinking_share) is set but this tokenizer's chat template has no thinking switch."
+        )
     return {"enable_thinking": enable_thinking}
 
 
