@@ -583,6 +583,14 @@ def _regenerate_entry(path: Path, target, conversations, settings: GenerationSet
         summary = tally.summary(total, settings)
         if summary:
             logger.warning("%s: %s.", name, summary)
+        if tally.samples > tally.written:
+            logger.info(
+                "%s: %d conversations became %d samples (the chat template rewrites earlier turns: one sample per "
+                "rewrite group)",
+                name,
+                tally.written,
+                tally.samples,
+            )
     journal.path.unlink()
 
 
