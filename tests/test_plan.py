@@ -57,6 +57,10 @@ PLAN_KEYS = {
     "draft_parameters",
     "max_micro_batch",
     "parts",
+    "shape",
+    "peak_phase",
+    "length_terms",
+    "capture",
 }
 QWEN3_8B_PARAMETERS = 8_190_735_360
 

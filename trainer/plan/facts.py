@@ -65,6 +65,7 @@ class DraftFacts:
     selector_parameters: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None
+    sliding_window: bool = False  # some layer attends through a window (its masks cost more to build)
 
     @property
     def root_parameters(self) -> int:
@@ -259,6 +260,7 @@ def draft_facts(config: DFlash2Config) -> DraftFacts:
         selector_parameters=selector,
         target_layer_ids=tuple(settings.target_layer_ids),
         num_target_layers=settings.num_target_layers,
+        sliding_window=any(window is not None for _, window in rules),
     )
 
 

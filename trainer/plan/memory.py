@@ -11,6 +11,7 @@ plan also gives the feature bytes that cross the network per optimizer step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,10 @@ class MemoryPlan:
     held_target_parameters: int | None = None  # streamed features: the embedding and LM head only
     streamed_feature_bytes: int | None = None  # streamed features: bytes over the network per optimizer step
     streamed_feature_formula: str = ""
+    length_terms: dict[str, int] = field(default_factory=dict)  # what the context length costs, by term
+    shape: dict[str, int] = field(default_factory=dict)  # S, N, T, K of one row
+    peak_phase: str = "step"  # where the activations peak: step, capture or mask_build
+    capture_line: str = ""  # whether the target's capture fits one rank, and what takes over if not
 
     @property
     def per_rank_bytes(self) -> int:
@@ -84,6 +89,10 @@ class MemoryPlan:
                 if self.streamed_feature_bytes is not None
                 else {}
             ),
+            "shape": dict(self.shape),
+            "peak_phase": self.peak_phase,
+            "length_terms": {name: int(value) for name, value in self.length_terms.items()},
+            "capture": self.capture_line,
         }
 
     def describe(self) -> str:
@@ -103,6 +112,15 @@ class MemoryPlan:
         ]
         lines += [f"  {name:<18}{self.parts[name] / GIB:>9.2f} GiB" for name in PARTS]
         lines.append(f"  {'total':<18}{self.per_rank_bytes / GIB:>9.2f} GiB")
+        if self.length_terms:
+            shape = self.shape
+            lines.append(
+                f"at {shape['context']} tokens ({shape['block_slots']} block slots, {shape['draft_tokens']} draft "
+                f"tokens, {shape['keys']} keys a row), micro-batch {self.micro_batch}, peak at the {self.peak_phase}:"
+            )
+            lines += [f"  {LENGTH_TERMS[name]:<44}{value / GIB:>9.2f} GiB" for name, value in self.length_terms.items()]
+        if self.capture_line:
+            lines.append(self.capture_line)
         lines += self._verdict_lines()
         return "\n".join(lines)
 
@@ -312,6 +330,33 @@ def forward_only_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> in
     return alive
 
 
+# Bytes per [T, K] element of building one visibility rule's mask, measured on CPU with torch 2.13
+# (the same code runs on CUDA): flex_attention's `create_block_mask` evaluates the rule over the whole
+# grid (vmap) before it compresses it into 128 x 128 blocks; sdpa's dense mask is the same rule
+# broadcast, kept as one boolean per element. A sliding window adds an int64 difference.
+MASK_BUILD_BYTES = {
+    ("flex_attention", False): 10,
+    ("flex_attention", True): 11,
+    ("dense", False): 5,
+    ("dense", True): 11,
+}
+
+
+def mask_build_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> int:
+    """Per row, the peak of building the attention masks (after the capture, before the draft's
+    forward): the rule evaluated over the whole [T, K] grid, one rule at a time (sdpa keeps each
+    finished dense mask; a finished BlockMask is a few MB), beside the features the step already
+    holds (as captured or loaded and the trainer's fp32 copy; fc's 16-bit copy does not exist yet).
+    At long context with many anchors this is the step's peak: T x K grows as N x (S + N x B)."""
+    flex = run.attention == "flex_attention"
+    per_element = MASK_BUILD_BYTES[("flex_attention" if flex else "dense", draft.sliding_window)]
+    finished = 0 if flex else (draft.mask_rules - 1) * shape.tokens * shape.keys
+    source = run.feature_bytes
+    features = (source + (FP32 if source != FP32 else 0)) * shape.context * draft.hidden_size
+    features *= draft.num_features + (1 if run.distills else 0)
+    return per_element * shape.tokens * shape.keys + finished + features
+
+
 def backward_working_bytes(draft: DraftFacts, run: RunFacts, shape: StepShape) -> int:
     """Per row, the largest transient of backward, at the top layer: a DFlash2 conv recomputes its
     k-wide tensors ([T, k, H] fp32: the kernel times the gradient, the re-gathered taps, the masked
@@ -426,8 +471,9 @@ def dynamic_parts(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_b
 
     The step peaks either at the end of forward (everything kept for backward, the tensors forward
     still holds, and the loss head) or early in backward (what is kept, plus backward's working
-    set), whichever is higher; the online capture runs before the step and counts if its own peak
-    is higher. activations = peak - loss_head, so the two parts sum to the peak."""
+    set), whichever is higher; the online capture and the masks' build run before the step and
+    count if their own peak is higher. activations = peak - loss_head, so the two parts sum to the
+    peak."""
     shape = step_shape(draft, run, micro_batch)
     layer = layer_kept_bytes(draft, run, shape)
     backward = backward_working_bytes(draft, run, shape)
@@ -441,9 +487,87 @@ def dynamic_parts(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_b
     kept = shape.rows * (global_kept_bytes(draft, run, shape) + kept_layers) + head_kept
     end_of_forward = shape.rows * forward_only_bytes(draft, run, shape) + head_transient
     step = kept + max(end_of_forward, shape.rows * backward)
-    peak = max(step, capture_bytes(draft, target, run, shape))
+    peak = max(step, capture_bytes(draft, target, run, shape), shape.rows * mask_build_bytes(draft, run, shape))
     loss_head = head_kept + head_transient
     return peak - loss_head, loss_head
+
+
+LENGTH_TERMS = {
+    "capture": "target capture (no grad, before the step)",
+    "features": "captured layers, their copies (+ final)",
+    "context_kv": "draft context k/v inputs, all layers kept",
+    "layers_kept": "decoder layers kept for backward",
+    "mask_build": "attention masks' build (transient)",
+    "dense_masks": "dense masks kept through forward",
+    "loss_head": "chunked LM-head loss",
+}
+
+
+def length_terms(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_batch: int) -> tuple[dict, str]:
+    """({term: bytes for the micro-batch}, the phase where the activations peak): what the context
+    length costs, term by term (docs/planning.md, "What each part costs at long context").
+    `context_kv` is the part of every kept layer that grows with S (the k_proj/v_proj input over
+    [context; block], k_norm's fp32 values, k and v): with activation checkpointing one layer at a
+    time holds it (the one recomputed in backward) and each layer keeps only its s·T·H input."""
+    shape = step_shape(draft, run, micro_batch)
+    no_context = dataclasses.replace(shape, context=0)
+    context_per_layer = layer_kept_bytes(draft, run, shape) - layer_kept_bytes(draft, run, no_context)
+    layers = 1 if run.activation_checkpointing else draft.num_layers
+    if run.activation_checkpointing:
+        kept = draft.num_layers * run.precision.stream * shape.tokens * draft.hidden_size
+    else:
+        kept = draft.num_layers * layer_kept_bytes(draft, run, shape)
+    head_kept, head_transient = loss_head_bytes(draft, run, shape)
+    flex = run.attention == "flex_attention"
+    per_element = MASK_BUILD_BYTES[("flex_attention" if flex else "dense", draft.sliding_window)]
+    terms = {
+        "capture": capture_bytes(draft, target, run, shape),
+        "features": shape.rows * feature_bytes_per_row(draft, run, shape),
+        "context_kv": shape.rows * layers * context_per_layer,
+        "layers_kept": shape.rows * kept,
+        "mask_build": shape.rows * per_element * shape.tokens * shape.keys,
+        "dense_masks": 0 if flex else shape.rows * draft.mask_rules * shape.tokens * shape.keys,
+        "loss_head": head_kept + head_transient,
+    }
+    activations, loss_head = dynamic_parts(draft, target, run, micro_batch)
+    peak = activations + loss_head
+    phase = "step"
+    if peak == shape.rows * mask_build_bytes(draft, run, shape):
+        phase = "mask_build"
+    if peak == terms["capture"] and terms["capture"]:
+        phase = "capture"
+    return terms, phase
+
+
+def capture_line(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memory_bytes: int) -> str:
+    """One line: whether the target's capture of one full-length row fits in one rank beside the
+    target's weights, and if not, which mechanism takes over (docs/planning.md, "When the capture
+    does not fit one rank")."""
+    if run.streams_features:
+        return "capture: none here; the vLLM servers run the target (tensor parallel on the serving side)"
+    if not run.online:
+        return "capture: none here (offline features, captured once by `dflash2 prepare`)"
+    row = dataclasses.replace(run, micro_batch=1)
+    shape = step_shape(draft, row, 1)
+    capture = capture_bytes(draft, target, row, shape)
+    other = OTHER_BYTES[run.device]
+    sharded = dataclasses.replace(row, target_sharded=True)
+    whole = capture + target_weight_bytes(target, row) + other
+    split = capture_bytes(draft, target, sharded, shape) + target_weight_bytes(target, sharded) + other
+    said = f"capture of one {run.max_length}-token row: {capture / GIB:.2f} GiB"
+    if whole <= gpu_memory_bytes or (run.target_sharded and split <= gpu_memory_bytes):
+        held = "sharded" if run.target_sharded else "whole"
+        weights = target_weight_bytes(target, row)
+        return f"{said} beside {weights / GIB:.2f} GiB of target weights ({held}): fits in one rank"
+    if not run.target_sharded and run.world_size > 1 and split <= gpu_memory_bytes:
+        return (
+            f"{said}: does not fit one rank beside the whole target; set target_sharding: fsdp ({split / GIB:.2f} GiB)"
+        )
+    return (
+        f"{said}: does not fit one rank even with the target sharded; stream the features from vLLM "
+        "with tensor parallelism on the serving side (feature_endpoint with offline: false, docs/scale.md); "
+        "this project has no context parallelism"
+    )
 
 
 def memory_parts(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_batch: int) -> dict[str, int]:
@@ -480,6 +604,8 @@ def largest_micro_batch(draft: DraftFacts, target: TargetFacts, run: RunFacts, g
 
 def plan_memory(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memory_bytes: int) -> MemoryPlan:
     """The plan from already resolved facts (pure arithmetic)."""
+    terms, phase = length_terms(draft, target, run, run.micro_batch)
+    shape = step_shape(draft, run, run.micro_batch)
     return MemoryPlan(
         parts=memory_parts(draft, target, run, run.micro_batch),
         num_gpus=run.world_size,
@@ -492,6 +618,10 @@ def plan_memory(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memor
         held_target_parameters=target.head_only_parameters if run.streams_features else None,
         streamed_feature_bytes=streamed_feature_bytes(draft, target, run) if run.streams_features else None,
         streamed_feature_formula=streamed_feature_formula(draft, target, run) if run.streams_features else "",
+        length_terms=terms,
+        shape={"context": shape.context, "block_slots": shape.blocks, "draft_tokens": shape.tokens, "keys": shape.keys},
+        peak_phase=phase,
+        capture_line=capture_line(draft, target, run, gpu_memory_bytes),
     )
 
 
