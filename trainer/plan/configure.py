@@ -1,7 +1,8 @@
 """Write a DFlash2 draft config (and a starter recipe) for any Hugging Face causal LM.
 
 dflash2 configure TARGET --num-draft-layers N --block-size B --output PATH
-    [--mask-token-id ID] [--recipe RECIPE_PATH [--recipe-size cpu|gpu]] [--selector-rank R]
+    [--mask-token-id ID] [--recipe RECIPE_PATH [--recipe-size cpu|gpu] [--context-length N]]
+    [--sliding-window W] [--selector-rank R]
     [--selector-top-k K] [--conv-kernel-size C] [--conv-group-size G] [--target-gguf-file F]
 
 TARGET is a Hub id, a local directory, `pypi:<distribution>` (as in recipes), or a directory with
@@ -29,6 +30,7 @@ from modeling_dflash2 import DFlash2Config
 from trainer.cli import command_parser, run
 from trainer.fileio import write_file_atomically
 from trainer.models.target import TargetSource
+from trainer.plan.anchors import anchors_for_supervised
 from trainer.plan.facts import packed_block_slots
 from trainer.publishing.contract import TargetDimensions, config_violations
 
@@ -300,9 +302,47 @@ GPU_PACKING_NOTE = (
 GPU_BATCH_NOTE = (
     "# Sized with dflash2 plan for the Qwen3-8B B=16 draft on 8 x 80 GB (FSDP2, bf16): packed, micro-batch 2\n"
     "# needs 183 GiB a rank and micro-batch 1 97 GiB, so activation checkpointing is on and micro-batch\n"
-    "# 1 x 8 accumulation keeps 8 rows a step (42 GiB a rank). Re-plan for another draft.\n"
+    "# 1 x 8 accumulation keeps 8 rows a step (53 GiB a rank, 42 of them the flex masks' build over a\n"
+    "# worst-case packed row's [T, K] grid). Re-plan for another draft.\n"
     "# (fsdp_activation_checkpointing: true in the accelerate config instead spares backward an all-gather.)\n"
 )
+
+
+LONG_CONTEXT_NOTE = (
+    "# Context {max_length} tokens: long documents with a question (LongAlign-10k, 8K-64K tokens), answered\n"
+    "# by the target itself in up to {answer} tokens; longer prompts are skipped. packing: false: each\n"
+    "# packed document gets its own anchor quota, so a packed {max_length}-token row's worst case is\n"
+    "# {slots} block slots, far past one GPU; long samples fill the rows themselves.\n"
+)
+LONG_ANCHORS_NOTE = (
+    "# One anchor slot per 6 supervised tokens (the 4K recipes' 512 for 3,072-token answers): {answer}-token\n"
+    '# answers -> {num_anchors} (docs/planning.md, "Anchors at long context").\n'
+)
+LONG_BATCH_NOTE = (
+    "# Micro-batch 1 with activation checkpointing and flex_attention; run dflash2 plan for this draft to\n"
+    "# see what the context costs term by term and the largest micro-batch that fits.\n"
+)
+REFERENCE_CONTEXT = 4096  # the starter recipes' context without --context-length
+LONG_DATASET = {"dataset": "THUDM/LongAlign-10k", "dataset_split": "train", "messages_column": "messages"}
+STEP_TOKENS = 8 * 8 * REFERENCE_CONTEXT  # 8 ranks x 8 rows x 4,096 tokens a step: kept at any context
+
+
+def answer_budget(context_length: int) -> int:
+    """Answer tokens of a starter recipe at `context_length`: the 4K recipes' 3,072, or a quarter
+    of a longer context (room for a thinking model's answer; the rest is the prompt's)."""
+    return max(3072, context_length // 4)
+
+
+def check_context_length(context_length: int, text_config: PretrainedConfig) -> None:
+    """One line naming the flag for a context the target cannot attend over."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if context_length < 256:
+        raise ValueError(f"--context-length must be >= 256 tokens (got {context_length})")
+    if limit is not None and context_length > limit:
+        raise ValueError(
+            f"--context-length {context_length} is above the target's max_position_embeddings {limit}: "
+            "the target cannot attend over that context"
+        )
 
 
 def _commented(text: str, notes: dict[str, str]) -> str:
@@ -314,10 +354,15 @@ def _commented(text: str, notes: dict[str, str]) -> str:
     return "".join(lines)
 
 
-def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | None = None) -> str:
+def starter_recipe(
+    target: str, config_path: Path, size: str, gguf_file: str | None = None, context_length: int | None = None
+) -> str:
     """A recipe `dflash2 train` accepts: `cpu` trains on packaged chat prompts in minutes, `gpu`
     on UltraChat for an 8-GPU FSDP2 node (launch line in its header), packed, at the micro-batch
-    the planner fits for the Qwen3-8B draft on 80 GB GPUs."""
+    the planner fits for the Qwen3-8B draft on 80 GB GPUs. `context_length` trains at that many
+    tokens: `max_length`, the prompt and answer budgets and `num_anchors` (one per 6 answer
+    tokens) follow it; a GPU recipe past 4,096 tokens takes long documents (LongAlign-10k),
+    unpacked, with activation checkpointing, micro-batch 1 and as many tokens a step as at 4K."""
     output = f"outputs/{config_path.stem}"
     common: dict[str, Any] = {"target": target, "draft_config": str(config_path)}
     if gguf_file:
@@ -386,12 +431,33 @@ def starter_recipe(target: str, config_path: Path, size: str, gguf_file: str | N
             "spec_eval_prompts": 0,
             "seed": 0,
         }
+    long_context = size != "cpu" and context_length is not None and context_length > REFERENCE_CONTEXT
+    if context_length is not None:
+        answer = body["max_new_tokens"] if size == "cpu" else answer_budget(context_length)
+        body.update(max_length=context_length, max_new_tokens=answer, max_prompt_length=context_length - answer)
+        body["num_anchors"] = anchors_for_supervised(answer)
+        if size != "cpu":  # unset, evaluation would put an anchor on every valid position
+            body["eval_num_anchors"] = body["num_anchors"]
+    if long_context:
+        body.update(LONG_DATASET, num_train_samples=9744)  # its 10,000 conversations less the 256 held out
+        rows = max(1, STEP_TOKENS // (8 * context_length))
+        body.update(packing=False, per_device_train_batch_size=1, gradient_accumulation_steps=rows)
+        body["output_dir"] = f"{output}-{context_length // 1024}k"
     length, anchors = body["max_length"], body["num_anchors"]
     slots = packed_block_slots(length, anchors)
-    packing_note = CPU_PACKING_NOTE if size == "cpu" else GPU_PACKING_NOTE
-    notes = {"packing": packing_note.format(max_length=length, num_anchors=anchors, slots=slots, ratio=slots / anchors)}
-    if size != "cpu":
-        notes["per_device_train_batch_size"] = GPU_BATCH_NOTE
+    if long_context:
+        answer = body["max_new_tokens"]
+        notes = {
+            "dataset": LONG_CONTEXT_NOTE.format(max_length=length, answer=answer, slots=slots),
+            "per_device_train_batch_size": LONG_BATCH_NOTE,
+            "num_anchors": LONG_ANCHORS_NOTE.format(answer=answer, num_anchors=anchors),
+        }
+    else:
+        packing_note = CPU_PACKING_NOTE if size == "cpu" else GPU_PACKING_NOTE
+        ratio = slots / anchors
+        notes = {"packing": packing_note.format(max_length=length, num_anchors=anchors, slots=slots, ratio=ratio)}
+        if size != "cpu":
+            notes["per_device_train_batch_size"] = GPU_BATCH_NOTE
     return header + _commented(yaml.safe_dump(body, sort_keys=False), notes)
 
 
@@ -413,6 +479,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--recipe-size", choices=("cpu", "gpu"), default="cpu", help="a CPU trial or an FSDP2 GPU recipe"
     )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        help="train the starter recipe at this many tokens (max_length, prompt/answer budgets, num_anchors)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output / --recipe")
     return parser.parse_args(argv)
 
@@ -433,12 +504,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Write the draft config (and the starter recipe), printing every choice with its reason."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.context_length is not None and not args.recipe:
+        raise ValueError("--context-length sets the starter recipe's context: pass --recipe PATH too")
     outputs = [Path(args.output)] + ([Path(args.recipe)] if args.recipe else [])
     for path in outputs:
         if path.exists() and not args.overwrite:
             raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
     source = TargetSource.parse(args.target, args.target_gguf_file)
     text_config = source.text_config()
+    if args.context_length is not None:
+        check_context_length(args.context_length, text_config)
     if args.mask_token_id is not None:
         mask = Choice(args.mask_token_id, "given with --mask-token-id")
     else:
@@ -463,7 +538,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {reason}")
     print(f"wrote {args.output}")
     if args.recipe:
-        recipe = starter_recipe(args.target, Path(args.output), args.recipe_size, args.target_gguf_file)
+        recipe = starter_recipe(
+            args.target, Path(args.output), args.recipe_size, args.target_gguf_file, args.context_length
+        )
         write_text(Path(args.recipe), recipe.replace("{recipe}", args.recipe))
         print(f"wrote {args.recipe} ({args.recipe_size})")
     return plan.config

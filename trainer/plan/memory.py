@@ -495,7 +495,7 @@ def dynamic_parts(draft: DraftFacts, target: TargetFacts, run: RunFacts, micro_b
 LENGTH_TERMS = {
     "capture": "target capture (no grad, before the step)",
     "features": "captured layers, their copies (+ final)",
-    "context_kv": "draft context k/v inputs, all layers kept",
+    "context_kv": "draft context k/v of length S (kept layers)",
     "layers_kept": "decoder layers kept for backward",
     "mask_build": "attention masks' build (transient)",
     "dense_masks": "dense masks kept through forward",
