@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo demo-keep-previous demo-results compare bench bench-packing gpu-check engines-setup test-engines bench-engines clean
+.PHONY: setup test lint demo demo-keep-previous demo-results compare bench bench-packing bench-long-context gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -108,6 +108,13 @@ bench: setup
 # docs from its JSON
 bench-packing: setup
 	$(BIN)/python -m benchmarks.packing --output benchmarks/results/packing.json
+	$(BIN)/python -m benchmarks.results_doc
+
+# τ against context length (512..8192) on SmolLM2: the demo draft, long-context samples packed at
+# 4,096 and the same with sliding-window layers, at one equal budget (benchmarks/long_context.py),
+# then the docs from its JSON
+bench-long-context: setup
+	$(BIN)/python -m benchmarks.long_context --conversations 16 --epochs 2 --prompts 1
 	$(BIN)/python -m benchmarks.results_doc
 
 # the first thing to run on a GPU machine (<= 8 min on one GPU): the CUDA-only tests, then the GPU

@@ -3,8 +3,9 @@
 Every generated part of docs/results.md and docs/performance.md lies between a pair of markers
 (`<!-- NAME:begin -->` ... `<!-- NAME:end -->`) and is rewritten from its JSON under
 benchmarks/results/: demo.json (`python -m benchmarks.demo`), engines.json (`make bench-engines`),
-cpu.json (`make bench`), packing.json (`make bench-packing`, also written by `make bench`) and
-compare.json (a copy of `make compare`'s outputs/compare/comparison.json).
+cpu.json (`make bench`), packing.json (`make bench-packing`, also written by `make bench`),
+long_context.json (`make bench-long-context`) and compare.json (a copy of `make compare`'s
+outputs/compare/comparison.json).
 Sentences that carry numbers are templates filled from the JSON (benchmarks.demo_doc,
 benchmarks.cpu_doc, benchmarks.engines.render; the pieces in benchmarks.doc_parts), and the
 comparisons in them (which path is ahead, whether a target was reached) are computed, never
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_doc, demo_doc
+from benchmarks import cpu_doc, demo_doc, long_context_doc
 from benchmarks.doc_parts import replace_section, section, write_text_atomically
 from benchmarks.engines import render as engines_render
 from trainer.cli import command_parser, run
@@ -47,6 +48,7 @@ DOCUMENTS: dict[Path, tuple[Section, ...]] = {
         Section("acceptance", "demo.json", demo_doc.render_acceptance),
         Section("compare", "compare.json", demo_doc.render_compare),
         Section("engines", "engines.json", engines_render.render),
+        Section(long_context_doc.NAME, "long_context.json", long_context_doc.render),
     ),
     PERFORMANCE_DOC: (
         Section("cpu-machine", "cpu.json", cpu_doc.render_cpu_machine),

