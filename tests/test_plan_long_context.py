@@ -292,3 +292,24 @@ def test_the_planner_still_plans_the_recorded_figures():
         pytest.skip("the demo target has not been converted on this machine yet")
     for row in json.loads(RECORDED.read_text())["rows"]:
         assert planned(row["max_length"])["per_rank_bytes"] == row["planned_bytes"]
+
+
+def test_context_kv_worked_by_hand(capsys):
+    """Per context token and layer under FSDP2 bf16 with flex_attention: the k_proj/v_proj input
+    (2 bytes, shared), k_norm's fp32 values and inverse RMS, k and v grouped: 16,416 bytes."""
+    plan = plan_recipe(capsys, RECIPES / "qwen3-8b-16k-fsdp2.yaml")  # micro-batch 2, no checkpointing
+    per_token = 2 * H + 4 * KV + 4 * 8 + 2 * 2 * KV
+    assert per_token == 16416 and plan["length_terms"]["context_kv"] == 2 * 5 * 16384 * per_token
+
+
+def test_the_doc_table_is_the_plans(capsys):
+    """docs/planning.md's table of the five real-size recipes quotes `dflash2 plan --json`."""
+    doc = (REPO / "docs" / "planning.md").read_text()
+    for recipe in sorted(RECIPES.glob("qwen*.yaml")):
+        plan = plan_recipe(capsys, recipe)
+        terms = " | ".join(
+            f"{plan['length_terms'][name] / GIB:.2f}"
+            for name in ("capture", "features", "context_kv", "layers_kept", "mask_build", "loss_head")
+        )
+        total = f"{plan['per_rank_bytes'] / GIB:.2f} of {plan['gpu_memory_bytes'] / GIB:.0f}"
+        assert f"| {terms} | {plan['peak_phase']} | {total} | {plan['max_micro_batch']} |" in doc, recipe.stem
