@@ -61,6 +61,7 @@ PLAN_KEYS = {
     "peak_phase",
     "length_terms",
     "capture",
+    "max_num_anchors",
 }
 QWEN3_8B_PARAMETERS = 8_190_735_360
 
@@ -327,7 +328,10 @@ def test_packing_in_the_recipe_is_planned_and_shown(capsys, tmp_path):
     target = ["--target", TARGETS / "qwen3-8b", "--accelerate-config", FSDP2]
     packed = plan_json(capsys, recipe, *target)
     assert packed == plan_json(capsys, RECIPE_8B, *target, "--packing", "true")
-    assert packed == plan_json(capsys, RECIPE_8B, *target, "--num_anchors", "4088")
+    unpacked = plan_json(capsys, RECIPE_8B, *target, "--num_anchors", "4088")
+    # the same memory; only an unpacked row's slots are num_anchors, so only it gets a cap on them
+    assert packed["max_num_anchors"] is None and 512 < unpacked["max_num_anchors"] < 4088
+    assert packed == {**unpacked, "max_num_anchors": None}
     assert packed["per_rank_bytes"] > plan_json(capsys, RECIPE_8B, *target)["per_rank_bytes"]
     capsys.readouterr()
     main([str(recipe), *map(str, target)])

@@ -313,3 +313,16 @@ def test_the_doc_table_is_the_plans(capsys):
         )
         total = f"{plan['per_rank_bytes'] / GIB:.2f} of {plan['gpu_memory_bytes'] / GIB:.0f}"
         assert f"| {terms} | {plan['peak_phase']} | {total} | {plan['max_micro_batch']} |" in doc, recipe.stem
+
+
+def test_the_anchor_cap_is_the_most_one_row_fits_with(capsys):
+    """A fully supervised 32K row wants 5,456 slots by the rule; the plan names the most that fit
+    one row on 80 GiB, and one more does not fit."""
+    recipe = RECIPES / "qwen3-8b-32k-fsdp2.yaml"
+    wanted = plan_recipe(capsys, recipe, "--num_anchors", "5456", "--per_device_train_batch_size", "1")
+    cap = wanted["max_num_anchors"]
+    assert not wanted["fits"] and wanted["peak_phase"] == "mask_build" and cap == 4351
+    at_cap = plan_recipe(capsys, recipe, "--num_anchors", str(cap), "--per_device_train_batch_size", "1")
+    past = plan_recipe(capsys, recipe, "--num_anchors", str(cap + 1), "--per_device_train_batch_size", "1")
+    assert at_cap["fits"] and not past["fits"]
+    assert plan_recipe(capsys, recipe)["max_num_anchors"] == 1368  # a fitting plan: its own count

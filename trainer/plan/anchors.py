@@ -57,7 +57,7 @@ def block_coverage(num_anchors: int, supervised: int, block_size: int) -> float:
 def fitting_anchors(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memory_bytes: int, wanted: int) -> int:
     """The most anchor slots, at most `wanted`, with which one micro-batch row fits (0 if even one
     slot does not): every part grows with the slots, so a bisection finds it."""
-    from trainer.plan.memory import memory_parts  # memory imports this module's rule
+    from trainer.plan.memory import memory_parts  # memory imports this module
 
     def fits(anchors: int) -> bool:
         candidate = dataclasses.replace(run, num_anchors=anchors, micro_batch=1)

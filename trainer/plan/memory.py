@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer.models.draft import load_draft_config
 from trainer.objective.config import selector_chunk_blocks
+from trainer.plan.anchors import fitting_anchors
 from trainer.plan.facts import (
     FP32,
     GIB,
@@ -64,6 +65,7 @@ class MemoryPlan:
     shape: dict[str, int] = field(default_factory=dict)  # S, N, T, K of one row
     peak_phase: str = "step"  # where the activations peak: step, capture or mask_build
     capture_line: str = ""  # whether the target's capture fits one rank, and what takes over if not
+    max_num_anchors: int | None = None  # the most anchor slots one row fits with (unpacked rows only)
 
     @property
     def per_rank_bytes(self) -> int:
@@ -93,6 +95,7 @@ class MemoryPlan:
             "peak_phase": self.peak_phase,
             "length_terms": {name: int(value) for name, value in self.length_terms.items()},
             "capture": self.capture_line,
+            "max_num_anchors": self.max_num_anchors,
         }
 
     def describe(self) -> str:
@@ -126,10 +129,13 @@ class MemoryPlan:
 
     def _verdict_lines(self) -> list[str]:
         verdict = "fits" if self.fits else "does NOT fit"
-        return [
+        lines = [
             f"{verdict} on {self.num_gpus} x {self.gpu_memory_bytes / GIB:.1f} GiB",
             f"largest per_device_train_batch_size that fits: {self.max_micro_batch}",
         ]
+        if not self.fits and self.max_num_anchors is not None:
+            lines.append(f"largest num_anchors with which one row fits: {self.max_num_anchors}")
+        return lines
 
     def verdict(self) -> str:
         """The plan in one line: the total, its largest part and the table's two verdict lines (what a
@@ -622,6 +628,7 @@ def plan_memory(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memor
         shape={"context": shape.context, "block_slots": shape.blocks, "draft_tokens": shape.tokens, "keys": shape.keys},
         peak_phase=phase,
         capture_line=capture_line(draft, target, run, gpu_memory_bytes),
+        max_num_anchors=None if run.packing else fitting_anchors(draft, target, run, gpu_memory_bytes, run.num_anchors),
     )
 
 
