@@ -114,7 +114,7 @@ bench-packing: setup
 # 4,096 and the same with sliding-window layers, at one equal budget (benchmarks/long_context.py),
 # then the docs from its JSON
 bench-long-context: setup
-	$(BIN)/python -m benchmarks.long_context --conversations 16 --epochs 2 --prompts 1
+	$(BIN)/python -m benchmarks.long_context --conversations 16 --epochs 24 --prompts 1
 	$(BIN)/python -m benchmarks.results_doc
 
 # the first thing to run on a GPU machine (<= 8 min on one GPU): the CUDA-only tests, then the GPU

@@ -142,6 +142,8 @@ def render(result: dict[str, Any]) -> str:
             f"- At {longest} tokens sliding's τ ({sliding:.3f}) is {ratio_phrase(sliding, packed)} "
             f"packed's ({packed:.3f})."
         )
+    if result.get("note"):
+        lines += ["", f"Note: {result['note']}"]
     acceptance = acceptance_at(result, longest)
     if acceptance:
         width = max(len(row) for row in acceptance.values())
