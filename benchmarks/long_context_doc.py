@@ -142,6 +142,22 @@ def render(result: dict[str, Any]) -> str:
             f"- At {longest} tokens sliding's τ ({sliding:.3f}) is {ratio_phrase(sliding, packed)} "
             f"packed's ({packed:.3f})."
         )
+    steps = [s["steps"] for e in evaluation["lengths"].values() for s in e["paths"].values() if s.get("steps")]
+    if steps:
+        lines.append(
+            fill(
+                "- Resolution: each τ above is {prompts} prompt(s) of {low}–{high} verification steps, so one more "
+                "accepted token moves it by about {step:.3f}; differences of a few such steps, with {seeds} seed(s), "
+                "do not rank the drafts.",
+                {
+                    "prompts": evaluation["prompts_per_length"],
+                    "low": min(steps),
+                    "high": max(steps),
+                    "step": 1 / max(steps) if len(steps) else 0.0,
+                    "seeds": len(result["seeds"]),
+                },
+            )
+        )
     if result.get("note"):
         lines += ["", f"Note: {result['note']}"]
     acceptance = acceptance_at(result, longest)

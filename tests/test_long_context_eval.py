@@ -212,7 +212,11 @@ def _result(taus: dict[str, list[float]]) -> dict:
     lengths = {
         str(length): {
             "paths": {
-                f"{draft}-seed0/selector": {"mean_tau": values[index], "per_position_acceptance": [0.5, 0.25]}
+                f"{draft}-seed0/selector": {
+                    "mean_tau": values[index],
+                    "steps": 20,
+                    "per_position_acceptance": [0.5, 0.25],
+                }
                 for draft, values in taus.items()
             }
         }
@@ -249,6 +253,7 @@ def test_the_results_section_computes_its_comparisons():
     assert "- short: τ falls from 2.000 at 512 tokens to 1.200 at 8192." in text
     assert "- At 8192 tokens packed's τ (1.600) is above short's (1.200)." in text
     assert "- At 8192 tokens sliding's τ (1.500) is below packed's (1.600)." in text
+    assert "1 prompt(s) of 20–20 verification steps, so one more accepted token moves it by about 0.050" in text
     flipped = render(_result({"short": [2.0, 1.7], "packed": [1.9, 1.6], "sliding": [1.9, 1.9]}))
     assert "packed's τ (1.600) is below short's (1.700)" in flipped and "sliding's τ (1.900) is above" in flipped
 
