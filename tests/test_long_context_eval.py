@@ -49,7 +49,7 @@ def play_tokenizer() -> PreTrainedTokenizerFast:
 
 def test_the_text_is_the_packages_plays():
     folder = long_context._plays_folder()
-    hamlet = (folder / "tragedies" / "hamlet.md").read_text(encoding="utf-8")
+    hamlet = (folder / "tragedies" / f"hamlet.{long_context.PLAY_SUFFIX}").read_text(encoding="utf-8")
     text = long_text()
     assert hamlet.strip() in text and "Who's there?" in text and len(text) > 2_000_000
     assert "# A Midsummer Night's Dream" not in text  # a comedy: the training plays, never evaluated
@@ -138,7 +138,9 @@ def test_cli_reports_tau_per_context_length(saved, tmp_path):
         assert entry["prompts"] == 2 and entry["prompt_tokens"] == int(length) - 4 and entry["lossless"] is True
         summary = entry["paths"]["trained/unary"]
         assert 1.0 <= summary["mean_tau"] <= 4.0 and len(summary["per_position_acceptance"]) == 3
-    assert "| trained/unary |" in (output / "long_context_report.md").read_text()
+    from trainer.evaluation.evaluate_command import LONG_CONTEXT_REPORT, report_file
+
+    assert "| trained/unary |" in report_file(output, "md", LONG_CONTEXT_REPORT).read_text()
 
 
 def test_cli_thinking_both_reports_tau_for_each(saved, tmp_path):

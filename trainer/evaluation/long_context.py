@@ -33,6 +33,7 @@ EVALUATION_GENRES = ("tragedies", "histories")
 TRAINING_GENRES = ("comedies", "problems", "roman", "romances")
 SENTINEL = "\u2063PASSAGE\u2063"  # invisible separator: never in the text or a template
 PASSAGE_SEPARATOR = "\n\n"
+PLAY_SUFFIX = "md"  # each play is one Markdown file
 THINKING_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
@@ -56,7 +57,7 @@ def long_text(genres: tuple[str, ...] = EVALUATION_GENRES) -> str:
     """The plays of `genres`, in genre then file-name order, joined by blank lines (their Markdown
     kept: speaker names in bold, stage directions in italics, as the package ships them)."""
     folder = _plays_folder()
-    files = [path for genre in genres for path in sorted((folder / genre).glob("*.md"))]
+    files = [path for genre in genres for path in sorted((folder / genre).glob(f"*.{PLAY_SUFFIX}"))]
     if not files:
         raise ValueError(f"package {TEXT_PACKAGE} ships no plays under {folder} for {', '.join(genres)}")
     return "\n\n".join(path.read_text(encoding="utf-8").strip() for path in files)
