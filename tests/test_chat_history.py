@@ -225,3 +225,24 @@ def test_thinking_share_is_checked_and_part_of_the_resume_identity(tmp_path):
         check_sample_counts(DataArguments(thinking_share=0.5, enable_thinking=True))
     old = {"data_arguments": {"thinking_share": None}}
     assert changed_fields(old, {"data_arguments": {"thinking_share": 0.5}}) == [("thinking_share", None, 0.5)]
+
+
+def test_the_rehearsal_data_check_counts_every_sample_of_a_rewritten_conversation(tokenizer, tmp_path):
+    """`dflash2 rehearse` renders the first conversation as training will: a Qwen3-like template makes
+    three samples of THREE_TURNS (one per user query), all supervised, where one sample would be refused."""
+    from trainer.rehearsal.command import Rehearsal
+
+    tokenizer.save_pretrained(tmp_path / "target")
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": THREE_TURNS}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"target: {tmp_path / 'target'}\ndataset: {data}\nregenerate: false\n")
+    rehearsal = Rehearsal.__new__(Rehearsal)
+    rehearsal.workspace, rehearsal.rehearsal_recipe = tmp_path, recipe
+    samples = tokenize_chat_samples(tokenizer, THREE_TURNS)
+    tokens = sum(len(sample["input_ids"]) for sample in samples)
+    supervised = sum(sum(sample["loss_mask"]) for sample in samples)
+    assert len(samples) == 3
+    assert rehearsal.data_check() == (
+        f"1 rows; the chat template renders the first: 3 samples of {tokens} tokens, {supervised} supervised"
+    )

@@ -253,7 +253,7 @@ class Rehearsal:
         return parse_arguments([str(self.rehearsal_recipe), *overrides])
 
     def data_check(self) -> str:
-        from trainer.data.chat import tokenize_chat
+        from trainer.data.chat import tokenize_chat_samples
         from trainer.data.dataset import (
             chitchat_prompts,
             column_values,
@@ -273,11 +273,14 @@ class Rehearsal:
             chat, conversations = conversations_or_prompts(raw, data_args)
             first = next(column_values(chat, data_args.messages_column)) if chat is not None else conversations[0]
             rows = f"{len(raw)} rows"
-        sample = tokenize_chat(tokenizer, first, data_args.enable_thinking)
-        supervised = f"{sum(sample['loss_mask'])} supervised"
-        if not sum(sample["loss_mask"]) and data_args.regenerate:
+        samples = tokenize_chat_samples(tokenizer, first, data_args.enable_thinking)
+        supervised_tokens = sum(sum(sample["loss_mask"]) for sample in samples)
+        supervised = f"{supervised_tokens} supervised"
+        if not supervised_tokens and data_args.regenerate:
             supervised = "a prompt: the target's answer is what gets supervised"
-        return f"{rows}; the chat template renders the first: {len(sample['input_ids'])} tokens, {supervised}"
+        tokens = sum(len(sample["input_ids"]) for sample in samples)
+        shape = f"{tokens} tokens" if len(samples) == 1 else f"{len(samples)} samples of {tokens} tokens"
+        return f"{rows}; the chat template renders the first: {shape}, {supervised}"
 
     def regeneration_check(self) -> str:
         from trainer.data.dataset import token_datasets
