@@ -166,7 +166,7 @@ def test_conversations_the_old_templating_refused_train(tmp_path, capsys):
         "dataset": str(tmp_path / "chat.jsonl"),
         "regenerate": False,
         "thinking_share": 0.5,
-        "num_eval_samples": 1,
+        "num_eval_samples": 3,
         "max_length": 400,
         "cache_dir": str(tmp_path / "cache"),
         "output_dir": str(tmp_path / "output"),
@@ -182,3 +182,5 @@ def test_conversations_the_old_templating_refused_train(tmp_path, capsys):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     metrics = train.main([str(tmp_path / "recipe.yaml")])
     assert metrics["eval_loss"] == metrics["eval_loss"] and metrics["eval_loss"] > 0  # finite, trained and evaluated
+    # the held-out conversations mix thinking on and off: each mode's acceptance is reported apart
+    assert metrics["eval_thinking_tau_walk"] >= 1 and metrics["eval_no_thinking_tau_walk"] >= 1

@@ -207,11 +207,18 @@ def tokenize_conversations(
 
 
 FEATURE_KEYS = ("target_hidden", "target_final_hidden")
+THINKING_GROUPS = ("no_thinking", "thinking")  # a batch's `thinking` row values index these; -1: not recorded
+
+
+def thinking_group(enable_thinking: bool | None) -> int:
+    return -1 if enable_thinking is None else THINKING_GROUPS.index("thinking" if enable_thinking else "no_thinking")
 
 
 class DFlashCollator:
     """Right-pads `input_ids` (pad id), `loss_mask` (0), and the stored target features
-    `target_hidden` and `target_final_hidden` (0); adds `attention_mask` for rows of one sample.
+    `target_hidden` and `target_final_hidden` (0); adds `attention_mask` for rows of one sample,
+    and `thinking` [b] (`thinking_group`) when the samples record their thinking switch, so an
+    evaluation reports thinking on and off apart.
 
     Packed rows (`trainer.data.packing`) carry `position_ids` and get no `attention_mask`: their
     padding is one more document (positions from 0 again) that no other document sees, which is
@@ -237,6 +244,8 @@ class DFlashCollator:
         for key in features:
             first = torch.as_tensor(samples[0][key])
             batch[key] = torch.zeros(len(samples), width, first.shape[-1], dtype=first.dtype)
+        if THINKING_COLUMN in samples[0] and not packed:
+            batch["thinking"] = torch.tensor([thinking_group(sample[THINKING_COLUMN]) for sample in samples])
         for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
             batch["input_ids"][row, :length] = torch.as_tensor(sample["input_ids"])
             batch["loss_mask"][row, :length] = torch.as_tensor(sample["loss_mask"])

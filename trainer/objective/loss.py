@@ -87,6 +87,14 @@ class ObjectiveResult:
         check_pooled({"numerator": self.numerator, "denominator": self.denominator, **pooled_sums(self.terms)})
 
 
+@dataclass(frozen=True)
+class RowGroups:
+    """Each row's group [b] (an index into `names`; -1: in no group), for per-group metrics."""
+
+    groups: torch.Tensor
+    names: tuple[str, ...]
+
+
 @dataclass
 class _HeadPass:
     """The LM-head pass over all active blocks [n, B]: the base numerator (differentiable) and, per
@@ -291,6 +299,24 @@ def _metrics(labels: torch.Tensor, weights: torch.Tensor, head: _HeadPass, selec
     return terms
 
 
+def group_terms(
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    head: _HeadPass,
+    selector: _SelectorPass | None,
+    block_groups: torch.Tensor,
+    group_names: tuple[str, ...],
+) -> MetricTerms:
+    """The metric terms again for each group of rows alone (`{name}_{term}`), by zeroing the
+    weights of the other groups' blocks: no extra forward, and every name is there on every rank
+    (zero pairs for a group a batch lacks) so the pooled all-reduce keeps one shape."""
+    terms: MetricTerms = {}
+    for group, name in enumerate(group_names):
+        only = weights * (block_groups == group).unsqueeze(-1).to(weights.dtype)
+        terms.update({f"{name}_{term}": pair for term, pair in _metrics(labels, only, head, selector).items()})
+    return terms
+
+
 def loss_denominator(weights: torch.Tensor, config: ObjectiveConfig, decay: torch.Tensor | None = None) -> torch.Tensor:
     """The loss normaliser, a function of the block weights [..., B] alone, so a trainer can pool it
     over micro-batches and ranks before any forward pass: sum w * decay for CE, and the number of
@@ -331,11 +357,13 @@ def dflash_loss(
     config: ObjectiveConfig,
     alpha: float | None = None,
     target_final_hidden: torch.Tensor | None = None,
+    row_groups: RowGroups | None = None,
 ) -> ObjectiveResult:
     """Objective for draft outputs `hidden` [b, N*B, H] of the packed `blocks`.
 
     `target_final_hidden` [b, S, H] (the target's final, post-norm hidden states: what its LM head
-    reads) is required when the objective distills (`config.distills`).
+    reads) is required when the objective distills (`config.distills`). `row_groups` adds each
+    group's metric terms beside the batch's (`group_terms`; e.g. thinking on and off).
 
     `alpha` is alpha_eff (see `selector_alpha_at`); None means the configured alpha. With DFlash2
     and alpha > 0 configured, the selector term is always computed and multiplied by alpha_eff, so
@@ -370,6 +398,10 @@ def dflash_loss(
     selector_numerator = selector.numerator if selector is not None else hidden.new_zeros((), dtype=torch.float32)
     with torch.no_grad():
         terms = _metrics(labels, weights, head, selector)
+        if row_groups is not None:
+            rows = torch.arange(blocks.weights.shape[0], device=index.device)
+            block_groups = row_groups.groups.to(index.device)[rows.repeat_interleave(blocks.num_blocks)[index]]
+            terms.update(group_terms(labels, weights, head, selector, block_groups, row_groups.names))
     denominator = loss_denominator(blocks.weights, config, decay)
 
     total = numerator + alpha_eff * selector_numerator
@@ -403,6 +435,7 @@ def draft_objective(
     forward_module: nn.Module | None = None,
     target_final_hidden: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    row_groups: RowGroups | None = None,
 ) -> ObjectiveResult:
     """One batch end to end: anchors -> blocks -> masks -> draft forward -> objective.
 
@@ -413,6 +446,7 @@ def draft_objective(
     takes every valid position in order (evaluation). `forward_module` is the (possibly DDP/FSDP
     wrapped) module to call; the objective runs inside its forward, and what comes back is checked
     to still be float32 (`ObjectiveResult.check_pooled`): an output cast would make pooling inexact.
+    `row_groups` adds per-group metric terms (`dflash_loss`).
     """
     settings = draft.dflash
     if anchors is None:
@@ -424,7 +458,8 @@ def draft_objective(
 
     def objective(hidden: torch.Tensor) -> dict:
         with record_function(OBJECTIVE_LABEL):
-            return dflash_loss(draft, hidden, blocks, output_head, config, alpha, target_final_hidden).as_dict()
+            result = dflash_loss(draft, hidden, blocks, output_head, config, alpha, target_final_hidden, row_groups)
+            return result.as_dict()
 
     outputs = (forward_module or draft)(
         position_ids=blocks.model_position_ids(),

@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import HfArgumentParser
 
-from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
+from trainer.data.dataset import THINKING_GROUPS, DFlashCollator, build_datasets, cache_root_of
 from trainer.data.online_features import configure_streamed_run, streams_engine_features
 from trainer.data.packing import PackedDataset
 from trainer.fileio import default_cache_root, write_file_atomically
@@ -48,6 +48,8 @@ from trainer.training.watchdog import start_watchdog
 logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
+# a held-out set that mixes thinking on and off: each mode's acceptance too
+SUMMARY_KEYS += tuple(f"eval_{group}_{metric}" for group in THINKING_GROUPS for metric in ("tau_unary", "tau_walk"))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -214,9 +216,9 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
 def print_summary(summary: dict) -> None:
     print(f"\nDraft checkpoint: {summary['checkpoint']}")
     print("Held-out teacher-forced metrics (eval anchors at every valid position):")
-    print(f"  {'metric':<18}{'untrained':>12}{'trained':>12}")
+    print(f"  {'metric':<24}{'untrained':>12}{'trained':>12}")
     for key in SUMMARY_KEYS:
         if key in summary["trained"]:
             before = summary["untrained"].get(key, float("nan"))
-            print(f"  {key[5:]:<18}{before:>12.4f}{summary['trained'][key]:>12.4f}")
+            print(f"  {key[5:]:<24}{before:>12.4f}{summary['trained'][key]:>12.4f}")
     print("  tau_unary: acceptance length of the unary argmax; tau_walk: of the selector's own greedy walk.")

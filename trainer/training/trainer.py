@@ -40,6 +40,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from trainer.data.chat import end_of_turn_ids
+from trainer.data.dataset import THINKING_GROUPS
 from trainer.data.packing import sample_lengths
 from trainer.evaluation.report import SpeculativeEvalCallback, prompt_ids
 from trainer.fileio import replace_files_atomically, reporting_disk_full, write_file_atomically
@@ -47,7 +48,13 @@ from trainer.models.compile import compile_decoder_layers
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective.config import selector_alpha_at
-from trainer.objective.loss import ObjectiveResult, configure_selector_training, draft_objective, loss_denominator
+from trainer.objective.loss import (
+    ObjectiveResult,
+    RowGroups,
+    configure_selector_training,
+    draft_objective,
+    loss_denominator,
+)
 from trainer.objective.metrics import MetricTerms, accumulation_dtype, add_terms, flatten_terms, ratios
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import RECIPE_FILE, export_draft, remove_secrets
@@ -235,6 +242,9 @@ class DFlash2Trainer(Trainer):
         else:  # evaluation: deterministic anchors, by default at every valid position
             count = self.args.eval_num_anchors or loss_mask.shape[1]
             anchors = sample_anchors(loss_mask, count, draw=None, position_ids=position_ids)
+        row_groups = None
+        if not model.training and "thinking" in inputs:  # per-mode metrics of a thinking mix (issue 34)
+            row_groups = RowGroups(inputs["thinking"], THINKING_GROUPS)
         alpha = self.objective.selector_alpha
         if model.training:
             alpha = selector_alpha_at(self.state.global_step, self.state.max_steps, self.objective)
@@ -253,6 +263,7 @@ class DFlash2Trainer(Trainer):
             forward_module=model,
             target_final_hidden=target_final.to(dtype) if distills else None,
             position_ids=position_ids,
+            row_groups=row_groups,
         )
 
     # -- non-finite steps: never stepped into a checkpoint ----------------------------------------
