@@ -21,19 +21,38 @@ DESCRIPTIONS = {
 }
 
 
-def tau_by_draft(result: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Mean τ per draft (averaged over seeds and decoded paths) and context length."""
+def seed_taus(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """τ per draft and context length: one value per seed (each averaged over the decoded paths)."""
     lengths = result["evaluation"]["lengths"]
-    taus: dict[str, dict[str, float]] = {}
+    taus: dict[str, dict[str, list[float]]] = {}
     for draft in DESCRIPTIONS:
         per_length = {}
         for length, entry in lengths.items():
-            values = [s["mean_tau"] for name, s in entry["paths"].items() if name.split("-seed")[0] == draft]
-            if values:
-                per_length[length] = mean(values)
+            by_seed: dict[str, list[float]] = {}
+            for name, summary in entry["paths"].items():
+                run = name.split("/", 1)[0]
+                if run.split("-seed")[0] == draft:
+                    by_seed.setdefault(run, []).append(summary["mean_tau"])
+            if by_seed:
+                per_length[length] = [mean(values) for values in by_seed.values()]
         if per_length:
             taus[draft] = per_length
     return taus
+
+
+def tau_by_draft(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Mean τ per draft (averaged over seeds and decoded paths) and context length."""
+    return {
+        draft: {length: mean(values) for length, values in per_length.items()}
+        for draft, per_length in seed_taus(result).items()
+    }
+
+
+def tau_cell(values: list[float]) -> str:
+    """The mean over seeds, and their range when there are several."""
+    if len(values) == 1:
+        return number(values[0], 3)
+    return f"{number(mean(values), 3)} ({number(min(values), 3)}–{number(max(values), 3)})"
 
 
 def acceptance_at(result: dict[str, Any], length: str) -> dict[str, list[float]]:
@@ -53,7 +72,7 @@ def _trend(first: float, last: float) -> str:
 
 def render(result: dict[str, Any]) -> str:
     budget, evaluation = result["budget"], result["evaluation"]
-    taus = tau_by_draft(result)
+    taus, per_seed = tau_by_draft(result), seed_taus(result)
     lengths = [str(length) for length in evaluation["context_lengths"]]
     shortest, longest = lengths[0], lengths[-1]
     machine = result["machine"]
@@ -119,13 +138,15 @@ def render(result: dict[str, Any]) -> str:
             ["draft", "training seconds", *(f"τ at {length}" for length in lengths)],
             [
                 [f"{draft} ({DESCRIPTIONS[draft]})", number(train_seconds.get(draft), 0)]
-                + [number(per_length.get(length), 3) for length in lengths]
-                for draft, per_length in taus.items()
+                + [tau_cell(per_seed[draft][length]) if length in per_seed[draft] else "–" for length in lengths]
+                for draft in taus
             ],
             ["---", "---:", *["---:"] * len(lengths)],
         ),
         "",
     ]
+    if len(result["seeds"]) > 1:
+        lines += [f"Each τ is the mean over the {len(result['seeds'])} seeds (their lowest–highest in brackets).", ""]
     for draft, per_length in taus.items():
         first, last = per_length[shortest], per_length[longest]
         lines.append(

@@ -260,6 +260,30 @@ def test_the_results_section_computes_its_comparisons():
     assert "packed's τ (1.600) is below short's (1.700)" in flipped and "sliding's τ (1.900) is above" in flipped
 
 
+def test_several_seeds_show_their_mean_and_range():
+    """Seed 1's paths beside seed 0's: each cell is the mean over seeds, the range in brackets, and the
+    comparisons use the means (short at 8192: (1.2 + 1.4) / 2 = 1.3; packed: (1.6 + 1.0) / 2 = 1.3)."""
+    from benchmarks.long_context_doc import render
+
+    result = _result({"short": [2.0, 1.2], "packed": [1.9, 1.6], "sliding": [1.9, 1.5]})
+    second = {"short": [1.0, 1.4], "packed": [1.5, 1.0], "sliding": [1.9, 1.5]}
+    for index, entry in enumerate(result["evaluation"]["lengths"].values()):
+        for draft, values in second.items():
+            entry["paths"][f"{draft}-seed1/selector"] = {
+                **entry["paths"][f"{draft}-seed0/selector"],
+                "mean_tau": values[index],
+            }
+    result["seeds"] = [0, 1]
+    text = render(result)
+    assert (
+        "| short (demo recipe: short samples, max_length 160) | 60 | 1.500 (1.000–2.000) | 1.300 (1.200–1.400) |"
+        in text
+    )
+    assert "| sliding (packed, every draft layer sliding) | 60 | 1.900 (1.900–1.900) | 1.500 (1.500–1.500) |" in text
+    assert "Each τ is the mean over the 2 seeds (their lowest–highest in brackets)." in text
+    assert "- At 8192 tokens packed's τ (1.300) is" in text and "short's (1.300)" in text
+
+
 def test_the_benchmarks_sliding_draft_config_is_valid(tmp_path):
     from benchmarks.long_context import SLIDING_WINDOW, sliding_config, train_command
     from modeling_dflash2 import DFlash2Config
