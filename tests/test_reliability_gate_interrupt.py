@@ -152,11 +152,18 @@ def test_ctrl_c_during_endpoint_regeneration(base, tmp_path):
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(yaml.safe_dump(values))
         process, stderr = start(["prepare", str(recipe), "--regenerate-only"], tmp_path)
-        wait_for(lambda: server.completions >= 3, process, "three answers")
+
+        def journaled() -> list[str]:
+            journals = list((tmp_path / "cache").rglob("*.journal.jsonl"))
+            return journals[0].read_text().splitlines() if journals else []
+
+        # a conversation is journaled once all its turns are back, after the server counted them:
+        # wait for the journal itself, so the signal lands with answers on disk and more in flight
+        wait_for(lambda: len(journaled()) >= 2, process, "two journaled conversations")
+        before = journaled()
         text = press_ctrl_c(process, stderr)
     assert_one_interrupted_line(text, process.returncode, COMMANDS["prepare"].kept)
-    journals = list((tmp_path / "cache").rglob("*.journal.jsonl"))
-    assert journals and journals[0].read_text().strip(), "the answers finished so far were not kept"
+    assert journaled()[: len(before)] == before, "the answers finished so far were not kept"
 
 
 @pytest.mark.slow
