@@ -107,6 +107,7 @@ class EndpointAnswer:
     text: str
     finish_reason: str  # "stop": the model ended its turn; "length": cut at max_tokens
     reasoning: str = ""  # the thinking a server's reasoning parser returned apart from the content
+    body: dict[str, Any] = field(default_factory=dict)  # the whole reply, with an engine's extra fields
 
 
 class EndpointClient:
@@ -233,11 +234,11 @@ class EndpointClient:
         and chat template), and, where the server has vLLM's and SGLang's /tokenize, into the same ids."""
         await self.served_model()
         try:
-            answer = await self._complete(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
+            answer = await self.answer(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
         except EndpointRefusal as refusal:
             raise EndpointError(f"{self.name} {self.base} refused the probe request ({refusal})") from None
-        self.probe_reply = answer  # (an engine's extra fields: vLLM's hidden-state file of the probe)
-        usage = answer.get("usage")
+        self.probe_reply = answer.body  # (an engine's extra fields: vLLM's hidden-state file of the probe)
+        usage = answer.body.get("usage")
         served_length = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if isinstance(served_length, int) and served_length != len(prompt_ids):
             raise EndpointError(
@@ -267,31 +268,6 @@ class EndpointClient:
             return None
         tokens = body.get("tokens") if isinstance(body, dict) else None
         return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
-
-    async def _complete(
-        self,
-        messages,
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-    ):
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "stream": False,
-        }
-        if seed is not None:
-            payload["seed"] = seed
-        template_kwargs = {**self.settings.chat_template_kwargs, **(chat_template_kwargs or {})}
-        if template_kwargs:
-            payload["chat_template_kwargs"] = template_kwargs
-        return await self._post_object("/chat/completions", payload)
 
     async def _post_object(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST `payload` (retried as `_request` does) and return the JSON object answered; a
@@ -325,14 +301,20 @@ class EndpointClient:
     ) -> EndpointAnswer:
         """The target's answer to `messages` (the server templates them, with `chat_template_kwargs`
         over the settings' own): its content, and its reasoning when a reasoning parser split it off."""
-        body = await self._complete(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stream": False,
+        }
+        if seed is not None:
+            payload["seed"] = seed
+        template_kwargs = {**self.settings.chat_template_kwargs, **(chat_template_kwargs or {})}
+        if template_kwargs:
+            payload["chat_template_kwargs"] = template_kwargs
+        body = await self._post_object("/chat/completions", payload)
         url = f"{self.base}/chat/completions"
         choices = body.get("choices")
         if not isinstance(choices, list):
@@ -356,6 +338,7 @@ class EndpointClient:
             text=content or "",
             finish_reason=finish_reason if isinstance(finish_reason, str) else "stop",
             reasoning=reasoning,
+            body=body,
         )
 
 
