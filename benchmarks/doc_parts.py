@@ -1,13 +1,17 @@
 """Markdown pieces the measured documents are made of: sections between markers, filled
 templates, tables; a figure that was not measured reads "not measured" wherever it lands.
 
-`benchmarks.results_doc` puts them together; the engines benchmark writes its section with them.
+The sentences live in benchmarks/templates/*.md, so a writer edits prose there and the renderers
+only compute the values. `benchmarks.results_doc` puts the sections together; the engines
+benchmark writes its section with these pieces too.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,8 @@ from trainer.fileio import write_file_atomically
 
 NOT_MEASURED = "not measured"
 MIB = 2**20
+TEMPLATES = Path(__file__).with_name("templates")
+PART = re.compile(r"^<!-- ([a-z0-9-]+) -->$", re.M)
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -41,20 +47,43 @@ def write_text_atomically(path: Path, text: str) -> None:
     write_file_atomically(path, lambda temporary: temporary.write_text(text))
 
 
+@cache
+def template_parts(name: str) -> dict[str, str]:
+    """The named parts of benchmarks/templates/<name>.md: a line `<!-- part -->` starts each, and
+    the newlines that end a part are not part of it (a template file reads best with blank lines)."""
+    path = TEMPLATES / f"{name}.md"
+    pieces = PART.split(path.read_text())
+    if pieces[0].strip():
+        raise ValueError(f"{path}: text before the first <!-- part --> line")
+    parts = dict(zip(pieces[1::2], (piece.removeprefix("\n").rstrip("\n") for piece in pieces[2::2]), strict=True))
+    if len(parts) != len(pieces) // 2:
+        raise ValueError(f"{path}: a part name appears twice")
+    return parts
+
+
+def render(name: str, part: str, values: Mapping[str, Any] | None = None) -> str:
+    """Part `part` of template `name`, filled from `values`. A block left empty (a sentence whose
+    figures are absent) leaves no run of blank lines behind, nor one at either end."""
+    parts = template_parts(name)
+    if part not in parts:
+        raise KeyError(f"benchmarks/templates/{name}.md has no part {part!r}")
+    return re.sub(r"\n{3,}", "\n\n", fill(parts[part], values or {})).strip("\n")
+
+
 def fill(template: str, values: Mapping[str, Any]) -> str:
-    """`template` with `{name}` fields replaced by `values` (already formatted strings or numbers
-    with a format spec); a None value reads "not measured", a missing name is an error."""
-    names = {field for _, field, _, _ in string.Formatter().parse(template) if field}
-    missing = names - set(values)
+    """`template` with `{name}` fields (also `{name[key]}`) replaced by `values`, each with its
+    format spec; a None value reads "not measured", a missing name is an error."""
+    formatter = string.Formatter()
+    fields = [field for _, field, _, _ in formatter.parse(template) if field]
+    missing = {re.split(r"[.\[]", field, maxsplit=1)[0] for field in fields} - set(values)
     if missing:
         raise KeyError(f"template fields without a value: {sorted(missing)}")
-    formatter = string.Formatter()
     out = []
     for literal, field, spec, conversion in formatter.parse(template):
         out.append(literal)
         if field is None:
             continue
-        value = values[field]
+        value = formatter.get_field(field, (), values)[0]
         if value is None:
             out.append(NOT_MEASURED)
         else:
@@ -76,13 +105,16 @@ def duration(seconds: float | None) -> str | None:
     return f"{minutes} min {rest} s"
 
 
+def table_rows(rows: list[list[str | None]]) -> str:
+    """The body lines of a Markdown table, one per row; None cells read "not measured"."""
+    return "\n".join("| " + " | ".join(NOT_MEASURED if cell is None else cell for cell in row) + " |" for row in rows)
+
+
 def table(header: list[str], rows: list[list[str | None]], align: list[str] | None = None) -> list[str]:
     """A Markdown table; None cells read "not measured"."""
     align = align or ["---"] * len(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(NOT_MEASURED if cell is None else cell for cell in row) + " |")
-    return lines
+    return lines + table_rows(rows).splitlines()
 
 
 def ratio_phrase(a: float, b: float) -> str:

@@ -26,6 +26,63 @@ def test_fill_formats_values_and_reads_none_as_not_measured():
         doc_parts.fill("{absent}", {})
 
 
+def test_fill_reads_keys_of_a_mapping_and_names_the_missing_root():
+    assert doc_parts.fill("{run[steps]} steps, {run[tau]:.1f}", {"run": {"steps": 4, "tau": None}}) == (
+        "4 steps, not measured"
+    )
+    with pytest.raises(KeyError, match="run"):
+        doc_parts.fill("{run[steps]}", {})
+
+
+def test_template_parts_split_at_their_part_lines(tmp_path: Path, monkeypatch):
+    (tmp_path / "t.md").write_text("<!-- one -->\nA {x}.\n\n| a |\n\n<!-- two -->\n\nB\n")
+    (tmp_path / "twice.md").write_text("<!-- one -->\nA\n<!-- one -->\nB\n")
+    (tmp_path / "loose.md").write_text("stray\n<!-- one -->\nA\n")
+    monkeypatch.setattr(doc_parts, "TEMPLATES", tmp_path)
+    doc_parts.template_parts.cache_clear()
+    try:
+        assert doc_parts.template_parts("t") == {"one": "A {x}.\n\n| a |", "two": "\nB"}
+        assert doc_parts.render("t", "one", {"x": 1}) == "A 1.\n\n| a |"
+        with pytest.raises(KeyError, match="no part 'three'"):
+            doc_parts.render("t", "three")
+        with pytest.raises(ValueError, match="appears twice"):
+            doc_parts.template_parts("twice")
+        with pytest.raises(ValueError, match="before the first"):
+            doc_parts.template_parts("loose")
+    finally:
+        doc_parts.template_parts.cache_clear()
+
+
+def test_an_empty_block_leaves_no_blank_lines_behind(tmp_path: Path, monkeypatch):
+    (tmp_path / "t.md").write_text("<!-- page -->\n{a}\n\n{b}\n\n{c}\n")
+    monkeypatch.setattr(doc_parts, "TEMPLATES", tmp_path)
+    doc_parts.template_parts.cache_clear()
+    try:
+        assert doc_parts.render("t", "page", {"a": "A", "b": "", "c": "C"}) == "A\n\nC"
+        assert doc_parts.render("t", "page", {"a": "A", "b": "B", "c": ""}) == "A\n\nB"
+    finally:
+        doc_parts.template_parts.cache_clear()
+
+
+def test_every_template_part_is_one_a_renderer_asks_for():
+    """A part no code renders is prose that never reaches a document."""
+    sources = {
+        "cpu": "cpu_doc.py",
+        "demo": "demo_doc.py",
+        "long_context": "long_context_doc.py",
+    }
+    benchmarks = Path(doc_parts.__file__).parent
+    assert sorted(path.stem for path in doc_parts.TEMPLATES.glob("*.md")) == sorted(sources)
+    for name, source in sources.items():
+        code = (benchmarks / source).read_text()
+        unused = [
+            part
+            for part in doc_parts.template_parts(name)
+            if f'"{part}"' not in code and f'"{part.split("-", 1)[0]}-' not in code and part not in code
+        ]
+        assert unused == [], f"benchmarks/templates/{name}.md: parts no renderer uses: {unused}"
+
+
 def test_replace_section_rewrites_only_between_its_markers():
     text = "head\n<!-- a:begin -->\nold\n<!-- a:end -->\nmiddle <!-- b:begin -->x<!-- b:end --> tail\n"
     new = doc_parts.replace_section(text, "a", "new body")
@@ -133,7 +190,7 @@ def test_demo_sentences_on_hand_made_figures():
         "(3 prompts: a noisy figure)."
     )
     assert demo_doc.real_against_forced(figures) == (
-        "Real τ of the selector walk (2.50) is below the teacher-forced one (3.00). "
+        "Real τ of the selector walk (2.50) is below the teacher-forced one (3.00)."
     )
     gap = figures["tau_gap"]
     # (c) - (a): 2.5 - 2.0 and 2.25 - 1.5; (d) - (c): 3.0 - 2.5 and 2.5 - 2.25
