@@ -1,8 +1,8 @@
 """Markdown pieces the measured documents are made of: sections between markers, filled
 templates, tables; a figure that was not measured reads "not measured" wherever it lands.
 
-The sentences live in benchmarks/templates/*.md, so a writer edits prose there and the renderers
-only compute the values. `benchmarks.results_doc` puts the sections together; the engines
+The sentences live in the Markdown files of benchmarks/templates/, so a writer edits prose there
+and the renderers only compute the values. `benchmarks.results_doc` puts the sections together; the engines
 benchmark writes its section with these pieces too.
 """
 
@@ -20,6 +20,7 @@ from trainer.fileio import write_file_atomically
 NOT_MEASURED = "not measured"
 MIB = 2**20
 TEMPLATES = Path(__file__).with_name("templates")
+MARKDOWN = "md"  # a template's suffix
 PART = re.compile(r"^<!-- ([a-z0-9-]+) -->$", re.M)
 
 
@@ -49,9 +50,10 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 @cache
 def template_parts(name: str) -> dict[str, str]:
-    """The named parts of benchmarks/templates/<name>.md: a line `<!-- part -->` starts each, and
-    the newlines that end a part are not part of it (a template file reads best with blank lines)."""
-    path = TEMPLATES / f"{name}.md"
+    """The named parts of the template `name` in benchmarks/templates/: a line `<!-- part -->`
+    starts each, and the newlines that end a part are not part of it (a template file reads best
+    with blank lines between its parts)."""
+    path = TEMPLATES / f"{name}.{MARKDOWN}"
     pieces = PART.split(path.read_text())
     if pieces[0].strip():
         raise ValueError(f"{path}: text before the first <!-- part --> line")
@@ -66,7 +68,7 @@ def render(name: str, part: str, values: Mapping[str, Any] | None = None) -> str
     figures are absent) leaves no run of blank lines behind, nor one at either end."""
     parts = template_parts(name)
     if part not in parts:
-        raise KeyError(f"benchmarks/templates/{name}.md has no part {part!r}")
+        raise KeyError(f"{TEMPLATES / name}.{MARKDOWN} has no part {part!r}")
     return re.sub(r"\n{3,}", "\n\n", fill(parts[part], values or {})).strip("\n")
 
 

@@ -6,10 +6,11 @@ benchmarks/results/: demo.json (`python -m benchmarks.demo`), engines.json (`mak
 cpu.json (`make bench`), packing.json (`make bench-packing`, also written by `make bench`),
 long_context.json (`make bench-long-context`) and compare.json (a copy of `make compare`'s
 outputs/compare/comparison.json).
-The sentences are templates under benchmarks/templates/ (the engines section's are still in
-benchmarks.engines.render), filled from the JSON by benchmarks.demo_doc, benchmarks.cpu_doc and
-benchmarks.long_context_doc with the pieces in benchmarks.doc_parts; the comparisons in them (which
-path is ahead, whether a target was reached) are computed, never asserted. A section whose JSON does not exist is left as it stands. `--check` rewrites nothing and
+The sentences are templates under benchmarks/templates/, filled from the JSON by
+benchmarks.demo_doc, benchmarks.cpu_doc and benchmarks.long_context_doc with the pieces in
+benchmarks.doc_parts (benchmarks.engines.render writes its section's sentences itself). The
+comparisons in them (which path is ahead, whether a target was reached) are computed, never
+asserted. A section whose JSON does not exist is left as it stands. `--check` rewrites nothing and
 exits 1, naming the document, when a committed document differs from what the JSON gives (a test
 runs the same check).
 """

@@ -35,9 +35,12 @@ def test_fill_reads_keys_of_a_mapping_and_names_the_missing_root():
 
 
 def test_template_parts_split_at_their_part_lines(tmp_path: Path, monkeypatch):
-    (tmp_path / "t.md").write_text("<!-- one -->\nA {x}.\n\n| a |\n\n<!-- two -->\n\nB\n")
-    (tmp_path / "twice.md").write_text("<!-- one -->\nA\n<!-- one -->\nB\n")
-    (tmp_path / "loose.md").write_text("stray\n<!-- one -->\nA\n")
+    def write(name: str, text: str) -> None:
+        (tmp_path / f"{name}.{doc_parts.MARKDOWN}").write_text(text)
+
+    write("t", "<!-- one -->\nA {x}.\n\n| a |\n\n<!-- two -->\n\nB\n")
+    write("twice", "<!-- one -->\nA\n<!-- one -->\nB\n")
+    write("loose", "stray\n<!-- one -->\nA\n")
     monkeypatch.setattr(doc_parts, "TEMPLATES", tmp_path)
     doc_parts.template_parts.cache_clear()
     try:
@@ -54,7 +57,7 @@ def test_template_parts_split_at_their_part_lines(tmp_path: Path, monkeypatch):
 
 
 def test_an_empty_block_leaves_no_blank_lines_behind(tmp_path: Path, monkeypatch):
-    (tmp_path / "t.md").write_text("<!-- page -->\n{a}\n\n{b}\n\n{c}\n")
+    (tmp_path / f"t.{doc_parts.MARKDOWN}").write_text("<!-- page -->\n{a}\n\n{b}\n\n{c}\n")
     monkeypatch.setattr(doc_parts, "TEMPLATES", tmp_path)
     doc_parts.template_parts.cache_clear()
     try:
@@ -72,7 +75,7 @@ def test_every_template_part_is_one_a_renderer_asks_for():
         "long_context": "long_context_doc.py",
     }
     benchmarks = Path(doc_parts.__file__).parent
-    assert sorted(path.stem for path in doc_parts.TEMPLATES.glob("*.md")) == sorted(sources)
+    assert sorted(path.stem for path in doc_parts.TEMPLATES.glob(f"*.{doc_parts.MARKDOWN}")) == sorted(sources)
     for name, source in sources.items():
         code = (benchmarks / source).read_text()
         unused = [
@@ -80,7 +83,7 @@ def test_every_template_part_is_one_a_renderer_asks_for():
             for part in doc_parts.template_parts(name)
             if f'"{part}"' not in code and f'"{part.split("-", 1)[0]}-' not in code and part not in code
         ]
-        assert unused == [], f"benchmarks/templates/{name}.md: parts no renderer uses: {unused}"
+        assert unused == [], f"template {name}: parts no renderer uses: {unused}"
 
 
 def test_replace_section_rewrites_only_between_its_markers():
