@@ -112,12 +112,6 @@ def table_rows(rows: list[list[str | None]]) -> str:
     return "\n".join("| " + " | ".join(NOT_MEASURED if cell is None else cell for cell in row) + " |" for row in rows)
 
 
-def table(header: list[str], rows: list[list[str | None]], align: list[str] | None = None) -> list[str]:
-    """A Markdown table; None cells read "not measured"."""
-    align = align or ["---"] * len(header)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    return lines + table_rows(rows).splitlines()
-
-
 def ratio_phrase(a: float, b: float) -> str:
-    return "above" if a > b else "below" if a < b else "equal to"
+    """Where `a` stands against `b`, in the words of the common template."""
+    return render("common", "above" if a > b else "below" if a < b else "equal-to")

@@ -70,6 +70,7 @@ def test_an_empty_block_leaves_no_blank_lines_behind(tmp_path: Path, monkeypatch
 def test_every_template_part_is_one_a_renderer_asks_for():
     """A part no code renders is prose that never reaches a document."""
     sources = {
+        "common": "doc_parts.py",
         "cpu": "cpu_doc.py",
         "demo": "demo_doc.py",
         "long_context": "long_context_doc.py",
