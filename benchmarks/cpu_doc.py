@@ -38,7 +38,7 @@ def render_train_step(cpu: dict[str, Any]) -> str:
                 f"**{step['mfu']:.0%}**",
                 None if step.get("naive_seconds_per_step") is None else f"{step['naive_seconds_per_step']:.3g}",
                 None if step.get("speedup_over_naive") is None else f"{step['speedup_over_naive']:.1f}×",
-                "yes" if step.get("losses_agree") else "no",
+                render("same-loss" if step.get("losses_agree") else "different-loss"),
             ]
         )
     text = render("train-step", {"rows": table_rows(rows)})
@@ -102,7 +102,7 @@ def render_spec_decode(cpu: dict[str, Any]) -> str:
         render("spec-decode-path", {"label": SPEC_DECODE_LABELS.get(name, name), "path": path})
         for name, path in spec["paths"].items()
     )
-    sampling = "greedy" if spec["temperature"] == 0 else "sampled"
+    sampling = render("greedy" if spec["temperature"] == 0 else "sampled")
     return render("spec-decode", {"spec": spec, "sampling": sampling, "paths": paths})
 
 

@@ -167,6 +167,11 @@ def _gap_value(gap: dict[str, Any], path: str, key: str) -> float | None:
     return entry[key]
 
 
+def steps_of(entry: dict[str, Any], kind: str = "steps") -> str:
+    """How many of a path's steps (or whole blocks) teacher-forced and real acceptance agree on."""
+    return render("steps-of", {"same": entry[f"same_{kind}"], "steps": entry[kind]})
+
+
 def tau_gap_table(gap: dict[str, Any] | None) -> list[str]:
     if gap is None:
         return render("tau-gap-missing").splitlines()
@@ -178,10 +183,7 @@ def tau_gap_table(gap: dict[str, Any] | None) -> list[str]:
         path: None if cell is None else f"{cell} ({gap['paths'][path][cut]:.3f})"
         for path, cell in values["teacher_forced_tau_at_real_anchors"].items()
     }
-    values["same"] = {
-        path: f"{gap['paths'][path]['same_steps']} of {gap['paths'][path]['steps']}" if path in gap["paths"] else None
-        for path in GAP_PATHS
-    }
+    values["same"] = {path: steps_of(gap["paths"][path]) if path in gap["paths"] else None for path in GAP_PATHS}
     return render("tau-gap", values).splitlines()
 
 
@@ -246,8 +248,8 @@ def all_prompts_sentence(gap: dict[str, Any] | None) -> str:
         "c": across("teacher_forced_tau_all_anchors"),
         "d": across("training_eval"),
         "a": " / ".join(f"{e['real_tau']:.3f}" for e in gap["paths"].values()),
-        "same": " / ".join(f"{e['same_steps']} of {e['steps']}" for e in gap["paths"].values()),
-        "whole": " / ".join(f"{e['same_whole_steps']} of {e['whole_steps']}" for e in gap["paths"].values()),
+        "same": " / ".join(steps_of(e) for e in gap["paths"].values()),
+        "whole": " / ".join(steps_of(e, "whole_steps") for e in gap["paths"].values()),
         "names": " / ".join(gap["paths"]),
     }
     return render("all-prompts", values)
