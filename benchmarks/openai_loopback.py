@@ -121,116 +121,127 @@ class LoopbackOpenAI:
 
     # -- HTTP --------------------------------------------------------------------------------------
 
-    def _handler(self):
-        server = self
+    def _handler(self) -> type[_Handler]:
+        """The request handler class bound to this server (the HTTP server makes one per request)."""
+        return type("Handler", (_Handler,), {"loopback": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args):
-                pass
+class _Handler(BaseHTTPRequestHandler):
+    """Answers one connection for `loopback`: its routes, faults and counters."""
 
-            def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                for name, value in (headers or {}).items():
-                    self.send_header(name, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
-                    self.close_connection = True
+    protocol_version = "HTTP/1.1"
+    loopback: LoopbackOpenAI
 
-            def _send_raw(self, content_type: str, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def log_message(self, *args):
+        pass
 
-            def _trickle(self) -> None:
-                """Headers at once, then a byte at a time: every read arrives well within a read timeout."""
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", "1000000")
-                self.end_headers()
-                self.close_connection = True
-                deadline = time.monotonic() + server.trickle_for
-                try:
-                    while time.monotonic() < deadline:
-                        self.wfile.write(b" ")
-                        self.wfile.flush()
-                        time.sleep(server.trickle)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
+    def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client was killed meanwhile
+            self.close_connection = True
 
-            def do_GET(self):
-                if self.path == "/v1/models" and server.raw_models:
-                    self._send_raw(*server.raw_models)
-                elif self.path == "/v1/models":
-                    entry = {"id": server.model_name, "object": "model"}
-                    if server.model_root is not None:
-                        entry["root"] = server.model_root
-                    self._send(200, {"object": "list", "data": [entry]})
-                else:
-                    self._send(404, {"error": {"message": f"no route {self.path}"}})
+    def _send_raw(self, content_type: str, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-            def do_POST(self):
-                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if self.path == "/tokenize" and server.tokenize:
-                    ids = server.target.tokenizer.encode(request["prompt"], add_special_tokens=False)
-                    ids = [token + server.token_shift for token in ids]
-                    self._send(200, {"tokens": ids, "count": len(ids)})
-                    return
-                if self.path != "/v1/chat/completions":
-                    self._send(404, {"error": {"message": f"no route {self.path}"}})
-                    return
-                if server.refuse_containing and server.refuse_containing in json.dumps(request.get("messages")):
-                    self._send(400, {"error": {"message": "This model's maximum context length is exceeded"}})
-                    return
-                if request.get("model") != server.model_name:
-                    self._send(404, {"error": {"message": f"model {request.get('model')} does not exist"}})
-                    return
+    def _trickle(self) -> None:
+        """Headers at once, then a byte at a time: every read arrives well within a read timeout."""
+        server = self.loopback
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "1000000")
+        self.end_headers()
+        self.close_connection = True
+        deadline = time.monotonic() + server.trickle_for
+        try:
+            while time.monotonic() < deadline:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(server.trickle)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_GET(self):
+        server = self.loopback
+        if self.path == "/v1/models" and server.raw_models:
+            self._send_raw(*server.raw_models)
+        elif self.path == "/v1/models":
+            entry = {"id": server.model_name, "object": "model"}
+            if server.model_root is not None:
+                entry["root"] = server.model_root
+            self._send(200, {"object": "list", "data": [entry]})
+        else:
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+    def do_POST(self):
+        server = self.loopback
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/tokenize" and server.tokenize:
+            ids = server.target.tokenizer.encode(request["prompt"], add_special_tokens=False)
+            ids = [token + server.token_shift for token in ids]
+            self._send(200, {"tokens": ids, "count": len(ids)})
+            return
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+            return
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self._send(*refusal)
+        elif server.raw_completions:
+            self._send_raw(*server.raw_completions)
+        elif server.trickle:
+            self._trickle()
+        else:
+            with server.lock:
+                server.in_flight += 1
+            try:
+                self._answer(request)
+            finally:
                 with server.lock:
-                    server.requests += 1
-                    failing = server.fail_every and server.requests % server.fail_every == 0
-                    busy = server.requests <= server.busy_for
-                if busy:
-                    self._send(429, {"error": {"message": "too many requests"}}, {"Retry-After": server.retry_after})
-                    return
-                if failing:
-                    self._send(503, {"error": {"message": "busy"}})
-                    return
-                if server.raw_completions:
-                    self._send_raw(*server.raw_completions)
-                    return
-                if server.trickle:
-                    self._trickle()
-                    return
-                with server.lock:
-                    server.in_flight += 1
-                try:
-                    self._answer(request)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
+                    server.in_flight -= 1
 
-            def _answer(self, request: dict) -> None:
-                time.sleep(server.delay)
-                answer = server.complete(request)
-                with server.lock:
-                    if server.die_after is not None and server.completions >= server.die_after:
-                        dying = True
-                    else:
-                        dying = False
-                        server.completions += 1
-                        server.asked.append(json.dumps(request["messages"], sort_keys=True))
-                if dying:  # the process is gone: no answer, and nobody listens any more
-                    self.close_connection = True
-                    threading.Thread(target=server.stop, daemon=True).start()
-                    return
-                self._send(200, answer)
+    def _refusal(self, request: dict) -> tuple[int, dict, dict[str, str] | None] | None:
+        """The error answer (status, payload, headers) a completion request gets, or None: too long,
+        an unknown model, busy (429) or failing (503). Counts the request."""
+        server = self.loopback
+        if server.refuse_containing and server.refuse_containing in json.dumps(request.get("messages")):
+            return 400, {"error": {"message": "This model's maximum context length is exceeded"}}, None
+        if request.get("model") != server.model_name:
+            return 404, {"error": {"message": f"model {request.get('model')} does not exist"}}, None
+        with server.lock:
+            server.requests += 1
+            failing = server.fail_every and server.requests % server.fail_every == 0
+            busy = server.requests <= server.busy_for
+        if busy:
+            return 429, {"error": {"message": "too many requests"}}, {"Retry-After": server.retry_after}
+        if failing:
+            return 503, {"error": {"message": "busy"}}, None
+        return None
 
-        return Handler
+    def _answer(self, request: dict) -> None:
+        server = self.loopback
+        time.sleep(server.delay)
+        answer = server.complete(request)
+        with server.lock:
+            if server.die_after is not None and server.completions >= server.die_after:
+                dying = True
+            else:
+                dying = False
+                server.completions += 1
+                server.asked.append(json.dumps(request["messages"], sort_keys=True))
+        if dying:  # the process is gone: no answer, and nobody listens any more
+            self.close_connection = True
+            threading.Thread(target=server.stop, daemon=True).start()
+            return
+        self._send(200, answer)

@@ -388,7 +388,7 @@ def check_local_checkpoint(spec: str | os.PathLike, what: str, subfolder: str | 
     return resolved
 
 
-def write_file_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write(temporary)` into a sibling, then one rename: readers see the old file or the new one."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}{TEMPORARY_SUFFIX}")

@@ -148,8 +148,12 @@ def tokenize_chat_samples(
     extra = chat_extra(tokenizer, enable_thinking, tools)
     template = tokenizer.chat_template or ""
     if "{% generation %}" in template or "{%- generation %}" in template:
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+        rendered: Any = tokenizer.apply_chat_template(  # (transformers types messages as all-str dicts)
+            messages,  # type: ignore[arg-type]
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **extra,
         )
         return [{"input_ids": list(rendered["input_ids"]), "loss_mask": list(rendered["assistant_masks"])}]
     if enable_thinking is False:

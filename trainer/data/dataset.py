@@ -317,18 +317,9 @@ def message_problem(message: Any, index: int) -> str | None:
         return f"message {index} has unknown role {role!r} (known: {', '.join(KNOWN_ROLES)})"
     calls = message.get("tool_calls")
     if calls is not None:
-        if role != "assistant":
-            return f"message {index} has 'tool_calls' but role {role!r} (only assistant turns call tools)"
-        if not isinstance(calls, list) or not calls:
-            return f"message {index} has 'tool_calls' that is not a non-empty list"
-        for number, call in enumerate(calls):
-            function = (call.get("function") or call) if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-                return f"message {index} tool call {number} has no function 'name'"
-            if not isinstance(function.get("arguments"), str | dict):
-                return f"message {index} tool call {number} has no 'arguments' (a JSON object or its string)"
-        if content is None:
-            return None
+        problem = tool_calls_problem(calls, role, index)
+        if problem is not None or content is None:
+            return problem
     for key in ("reasoning_content", "reasoning"):
         if message.get(key) is not None and not isinstance(message[key], str):
             return f"message {index} has a {type(message[key]).__name__} '{key}', not a string"
@@ -336,6 +327,22 @@ def message_problem(message: Any, index: int) -> str | None:
         return f"message {index} has no 'content'"
     if not isinstance(content, str):
         return f"message {index} has a {type(content).__name__} 'content', not a string"
+    return None
+
+
+def tool_calls_problem(calls: Any, role: str, index: int) -> str | None:
+    """Why message `index`'s 'tool_calls' cannot be rendered, or None: only an assistant calls tools,
+    each call a {name, arguments} function (or a {function: {...}} wrapper)."""
+    if role != "assistant":
+        return f"message {index} has 'tool_calls' but role {role!r} (only assistant turns call tools)"
+    if not isinstance(calls, list) or not calls:
+        return f"message {index} has 'tool_calls' that is not a non-empty list"
+    for number, call in enumerate(calls):
+        function = (call.get("function") or call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            return f"message {index} tool call {number} has no function 'name'"
+        if not isinstance(function.get("arguments"), str | dict):
+            return f"message {index} tool call {number} has no 'arguments' (a JSON object or its string)"
     return None
 
 

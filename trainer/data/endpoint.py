@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 from transformers import PreTrainedTokenizerBase
@@ -46,6 +46,13 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 REFUSED_STATUSES = frozenset({400, 413, 422})
 PROBE_MESSAGES = [{"role": "user", "content": "Probe: 17 × 3 = 51, naïve café, 東京, \t tabs and  spaces."}]
 API_KEY_VARIABLE = "DFLASH2_ENDPOINT_API_KEY"
+
+
+class ServedModel(TypedDict):
+    """What GET /models says of the model that answers (JSON: part of the cached answers' key)."""
+
+    id: str
+    root: str | None
 
 
 class EndpointError(ConnectionError):
@@ -207,7 +214,7 @@ class EndpointClient:
             )
         return entries
 
-    async def served_model(self) -> dict[str, str | None]:
+    async def served_model(self) -> ServedModel:
         """Which model answers, as the server reports it: `id` (the served name: `model`, or the
         one model served) and `root` (vLLM's and SGLang's path or Hub id of the weights, None when
         not reported). What the server serves, not what the recipe calls it, keys cached answers."""
@@ -232,7 +239,7 @@ class EndpointClient:
         """The served model to ask, after checking that it is the target: the server must template
         and tokenize the probe conversation into exactly `prompt_ids` tokens (the target's tokenizer
         and chat template), and, where the server has vLLM's and SGLang's /tokenize, into the same ids."""
-        await self.served_model()
+        model = (await self.served_model())["id"]
         try:
             answer = await self.answer(PROBE_MESSAGES, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
         except EndpointRefusal as refusal:
@@ -253,7 +260,7 @@ class EndpointClient:
                 f"{self.name} model {self.model!r} is not the recipe's target: its tokenizer gives "
                 f"other token ids than the target's for the same text (vocabulary differs)"
             )
-        return self.model
+        return model
 
     async def _tokenize(self, text: str) -> list[int] | None:
         """Token ids from the server's /tokenize (vLLM and SGLang serve it beside /v1), or None."""

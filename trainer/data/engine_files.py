@@ -150,7 +150,7 @@ def _waiting_for(path: str) -> str:
     lock = lock_state(path)
     descriptor = _open_regular(path)
     exists = descriptor is not None
-    if exists:
+    if descriptor is not None:
         os.close(descriptor)
     if exists and lock == "missing":
         return (

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -209,6 +210,12 @@ class EngineServer:
         self.storage = EngineStorage(folder, self.client.name)
         self.nudger = ServerNudger(self.client, nudge_prompt, self.storage)
 
+    def attached(self) -> tuple[EngineStorage, ServerNudger]:
+        """Its storage folder and nudger, which exist once `ready` ran (after the probe)."""
+        if self.storage is None or self.nudger is None:
+            raise RuntimeError(f"{self.client.name} {self.client.base}: its files were asked for before its probe")
+        return self.storage, self.nudger
+
 
 class EngineServers:
     """The pool: `features(ids)` asks the least-loaded live server. Use as an async context manager;
@@ -229,7 +236,7 @@ class EngineServers:
         for index, endpoint in enumerate(settings.endpoints):
             if models is not None:
                 endpoint = replace(endpoint, model=models[index])
-            client = EndpointClient(endpoint, fail_fast=lambda index=index: self.board.others_live(index))
+            client = EndpointClient(endpoint, fail_fast=partial(self.board.others_live, index))
             self.servers.append(EngineServer(index, client))
         if models is not None:
             for server, folder in zip(self.servers, settings.storages, strict=True):
@@ -257,11 +264,12 @@ class EngineServers:
         for server, folder in zip(self.servers, self.settings.storages, strict=True):
             models.append(await server.client.checked_model(tokenizer, probe_ids))
             server.ready(nudge_prompt, folder)
-            path = server.storage.file_named(server.client.probe_reply)
+            storage, nudger = server.attached()
+            path = storage.file_named(server.client.probe_reply)
             tensors = await read_hidden_states(
                 path,
                 self.settings.file_timeout,
-                server.nudger,
+                nudger,
                 server.client.name,
                 self.layout.max_file_bytes(len(probe_ids)),
             )
@@ -271,7 +279,7 @@ class EngineServers:
             ids = written.tolist() if isinstance(written, torch.Tensor) and written.dim() == 1 else probe_ids
             where = f"{server.client.base} probe file {path}"
             engine_features(tensors, ids, self.layout.order, self.layout.hidden_size, where)
-            server.nudger.remove_files()
+            nudger.remove_files()
         return models
 
     async def features(self, ids: list[int], what: str) -> torch.Tensor:
@@ -338,7 +346,8 @@ async def request_features(
             f"{client.name} {client.base} refused {what} ({len(ids)} tokens): {refusal} (start the server with "
             "--max-model-len above the recipe's max_length)"
         ) from None
-    path = server.storage.file_named(body)
-    tensors = await read_hidden_states(path, file_timeout, server.nudger, client.name, layout.max_file_bytes(len(ids)))
+    storage, nudger = server.attached()
+    path = storage.file_named(body)
+    tensors = await read_hidden_states(path, file_timeout, nudger, client.name, layout.max_file_bytes(len(ids)))
     remove_hidden_states(path)
     return engine_features(tensors, ids, layout.order, layout.hidden_size, f"{client.name} file {path}")

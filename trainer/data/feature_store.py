@@ -51,7 +51,7 @@ from trainer.fileio import (
     write_directory_atomically,
 )
 from trainer.locks import FolderInUseError, FolderLock, entry_lock_file, lock_cache_entry
-from trainer.models.target import FrozenTarget
+from trainer.models.target import FrozenTarget, TargetTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def store_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def store_fingerprint(
-    target: FrozenTarget, layer_ids: Sequence[int], dtype: torch.dtype, final_hidden: bool
+    target: FrozenTarget | TargetTokenizer, layer_ids: Sequence[int], dtype: torch.dtype, final_hidden: bool
 ) -> dict[str, Any]:
     """What a store must have been captured for to serve this run (recorded in its index)."""
     return {
@@ -119,7 +119,7 @@ def store_fingerprint(
 
 
 def feature_store_path(
-    target: FrozenTarget,
+    target: FrozenTarget | TargetTokenizer,
     dataset: datasets.Dataset,
     layer_ids: Sequence[int],
     cache_root: Path,
@@ -128,7 +128,11 @@ def feature_store_path(
 ) -> Path:
     """The cache entry of a store: keyed by the target, the token ids, the layer ids, the dtype and
     whether final states are stored."""
-    fields = {"target": target.fingerprint(), "data": token_fingerprint(dataset), "layers": list(layer_ids)}
+    fields: dict[str, Any] = {
+        "target": target.fingerprint(),
+        "data": token_fingerprint(dataset),
+        "layers": list(layer_ids),
+    }
     fields["dtype"] = str(dtype)
     if final_hidden:  # (absent otherwise, so the stores written before it keep their keys)
         fields["final_hidden"] = True
@@ -175,7 +179,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]
 
 def _write_tensor(file: BinaryIO, hasher: Any, tensor: torch.Tensor) -> None:
     if tensor.numel():
-        data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
         file.write(data)
         hasher.update(data)
 
@@ -370,7 +374,7 @@ def _capture(
         captured_batch = target.capture(
             input_ids.to(target.device), attention_mask.to(target.device), layer_ids, final_hidden=final_hidden
         )
-        hidden, final = captured_batch if final_hidden else (captured_batch, None)
+        hidden, final = captured_batch if isinstance(captured_batch, tuple) else (captured_batch, None)
         for row, length in enumerate(lengths):
             stored_final = None if final is None else final[row, :length].to(dtype)
             writer.add(start + row, hidden[row, :length].to(dtype), stored_final, batch[row])
@@ -483,7 +487,8 @@ class OfflineDataset(torch.utils.data.Dataset):
             header = check_safetensors_file(path)
         except (ValueError, OSError) as error:
             raise self._error(str(error)) from None
-        wanted = SAFETENSORS_DTYPES.get(getattr(torch, self.dtype, None)) if self.dtype else None
+        dtype = getattr(torch, self.dtype, None) if self.dtype else None
+        wanted = SAFETENSORS_DTYPES.get(dtype) if isinstance(dtype, torch.dtype) else None
         for sample in self.samples_of[shard]:
             tokens = int(self.token_counts[sample])
             for prefix, _ in SAMPLE_TENSORS:

@@ -53,6 +53,7 @@ from trainer.data.endpoint import (
     EndpointRefusal,
     EndpointSettings,
     EndpointUnreachable,
+    ServedModel,
     run_workers,
 )
 from trainer.data.response_journal import SKIP_EMPTY, SKIP_REFUSED, SKIP_TOO_LONG, ResponseJournal
@@ -174,9 +175,17 @@ def closing_token_id(tokenizer: PreTrainedTokenizerBase, extra: dict[str, Any]) 
 # ---------------------------------------------------------------------------------------------
 
 
+def tokenizer_of(target: FrozenTarget | TargetTokenizer) -> PreTrainedTokenizerBase:
+    """The tokenizer the target's answers are templated and decoded with (a FrozenTarget may be built
+    without one, as the tests build bare models)."""
+    if target.tokenizer is None:
+        raise ValueError("the target was loaded without its tokenizer: regeneration templates the prompts with it")
+    return target.tokenizer
+
+
 @torch.no_grad()
 def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: GenerationSettings, batch_index: int):
-    tokenizer = target.tokenizer
+    tokenizer = tokenizer_of(target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -192,7 +201,7 @@ def _generate_batch(target: FrozenTarget, prompts: list[list[int]], settings: Ge
     else:
         generator_kwargs.update(temperature=None, top_p=None, top_k=None)
     end_of_turn = sorted(end_of_turn_ids(tokenizer))
-    output = target.model.generate(
+    output = target.model.generate(  # type: ignore[operator]  # (causal LMs mix in GenerationMixin)
         input_ids=input_ids.to(target.device),
         attention_mask=attention_mask.to(target.device),
         max_new_tokens=settings.max_new_tokens,
@@ -230,7 +239,7 @@ def _batches_of_answerable(
 
 
 def _answer_in_process(target: FrozenTarget, conversations, rows, settings, journal, progress) -> None:
-    tokenizer = target.tokenizer
+    tokenizer = tokenizer_of(target)
     batches = _batches_of_answerable(conversations, rows, settings, tokenizer, journal)
     for batch_index, batch in enumerate(batches):
         turns: dict[int, list[dict[str, Any]]] = {row: [] for row in batch}
@@ -244,7 +253,7 @@ def _answer_in_process(target: FrozenTarget, conversations, rows, settings, jour
             answered = []
             for row, ids in zip(asking, generated, strict=True):
                 text = tokenizer.decode(ids, skip_special_tokens=True)
-                if text.strip():  # an empty answer ends the conversation before it
+                if text.strip():  # type: ignore[union-attr]  # (decode of one sequence is a str)  # an empty answer ends the conversation before it
                     turns[row].append({"text": text, "ids": ids})
                     answered.append(row)
             turn += 1
@@ -456,7 +465,7 @@ def regenerate(
     says which dataset an error is about. Through an endpoint the target's tokenizer is enough
     (`TargetTokenizer`).
     """
-    tokenizer = target.tokenizer
+    tokenizer = tokenizer_of(target)
     key_parts: dict[str, Any] = {
         "target": target.fingerprint(),
         "prompts": conversations_digest(conversations),
@@ -518,7 +527,7 @@ def _endpoint_entry(generated: Path, key_parts: dict[str, Any], endpoint: Endpoi
     return path, dataclasses.replace(endpoint, model=served["id"]), remember
 
 
-async def _served_model(endpoint: EndpointSettings) -> dict[str, str | None]:
+async def _served_model(endpoint: EndpointSettings) -> ServedModel:
     async with EndpointClient(endpoint) as client:
         return await client.served_model()
 

@@ -55,27 +55,32 @@ def record_problem(record: Any, rows: int, vocabulary: int) -> str | None:
     if not 0 <= row < rows:
         return f"row {row} out of range (0..{rows - 1})"
     if "turns" in record:
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns:
-            return f"row {row} has no answers"
-        for index, turn in enumerate(turns):
-            if not isinstance(turn, dict):
-                return f"row {row} answer {index} is not a JSON object"
-            text, ids = turn.get("text"), turn.get("ids")
-            if not isinstance(text, str) or not text:
-                return f"row {row} answer {index} is empty"
-            if not isinstance(ids, list) or not ids:
-                return f"row {row} answer {index} has no token ids"
-            if not isinstance(turn.get("reasoning", ""), str):
-                return f"row {row} answer {index} has a reasoning that is not a string"
-            for token in ids:
-                if type(token) is not int or not 0 <= token < vocabulary:
-                    outside = f"outside the vocabulary (0..{vocabulary - 1})"
-                    return f"row {row} answer {index} has token id {token!r} {outside}"
-        return None
+        return turns_problem(record["turns"], row, vocabulary)
     reason = record.get("skipped")
     if not isinstance(reason, str) or not reason:
         return f"row {row} has neither answers nor a skip reason"
+    return None
+
+
+def turns_problem(turns: Any, row: int, vocabulary: int) -> str | None:
+    """Why row `row`'s answers are not a non-empty list of {text, ids[, reasoning]} with every id
+    below `vocabulary`, or None."""
+    if not isinstance(turns, list) or not turns:
+        return f"row {row} has no answers"
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return f"row {row} answer {index} is not a JSON object"
+        text, ids = turn.get("text"), turn.get("ids")
+        if not isinstance(text, str) or not text:
+            return f"row {row} answer {index} is empty"
+        if not isinstance(ids, list) or not ids:
+            return f"row {row} answer {index} has no token ids"
+        if not isinstance(turn.get("reasoning", ""), str):
+            return f"row {row} answer {index} has a reasoning that is not a string"
+        for token in ids:
+            if type(token) is not int or not 0 <= token < vocabulary:
+                outside = f"outside the vocabulary (0..{vocabulary - 1})"
+                return f"row {row} answer {index} has token id {token!r} {outside}"
     return None
 
 

@@ -100,6 +100,7 @@ def template_halves(
         add_generation_prompt=True,
         **template_kwargs(tokenizer, enable_thinking),
     )
+    assert isinstance(rendered, str)  # tokenize=False: the text
     before, sentinel, after = rendered.partition(SENTINEL)
     if not sentinel:
         raise ValueError("the chat template dropped the user's text: cannot place a passage in it")

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from trainer.data.chat import template_kwargs
+from trainer.data.chat import render, template_kwargs
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.regeneration import prompt_conversation
 
@@ -66,13 +66,7 @@ def benchmark_texts(benchmark: str, held_out: int = 32) -> list[str]:
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, enable_thinking: bool | None = None) -> list[int]:
     """`text` as a user turn, templated up to the assistant's turn (what the target answers), with
     the template's thinking switch set when `enable_thinking` is not None."""
-    encoded = tokenizer.apply_chat_template(
-        prompt_conversation(text),
-        add_generation_prompt=True,
-        return_dict=True,
-        **template_kwargs(tokenizer, enable_thinking),
-    )
-    return list(encoded["input_ids"])
+    return render(tokenizer, prompt_conversation(text), True, template_kwargs(tokenizer, enable_thinking))
 
 
 def select_prompts(

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from transformers import TrainerCallback
+from transformers import PreTrainedModel, TrainerCallback
 
 from modeling_dflash2 import DFlashDraftModel
 from trainer.evaluation.speculative import SpeculativeResult, spec_generate, target_generate
@@ -44,7 +43,7 @@ def summarize(results: Sequence[SpeculativeResult], block_size: int) -> dict[str
 
 
 def evaluate_paths(
-    target: nn.Module,
+    target: PreTrainedModel,
     drafts: dict[str, DFlashDraftModel],
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -58,7 +57,7 @@ def evaluate_paths(
 ) -> dict[str, Any]:
     """Decode `prompts` with the target alone and with each draft along each path (drafts named in
     `skip_selector_for`, e.g. an untrained one whose selector is an exact no-op, run unary only)."""
-    device = target.get_input_embeddings().weight.device
+    device = target.get_input_embeddings().get_parameter("weight").device
     generator = torch.Generator(device=device).manual_seed(seed)
     baseline = [
         target_generate(
@@ -245,7 +244,7 @@ def check_report_path(path: Path, draft: str | Path) -> dict[str, str]:
     )
 
 
-def report_benchmark(report: dict[str, Any]) -> str:
+def report_benchmark(report: Mapping[str, Any]) -> str:
     """The benchmark a report was measured on; reports written before benchmarks existed were
     always on the held-out chitchat prompts."""
     return report.get("benchmark", "heldout")
@@ -294,7 +293,7 @@ def _shares(histogram: Sequence[int]) -> list[float]:
     return [count / total for count in histogram]
 
 
-def _per_path_table(title: str, rows: dict[str, Sequence[float]]) -> str:
+def _per_path_table(title: str, rows: Mapping[str, Sequence[float]]) -> str:
     """One row per path, one column per k = 1..; shorter rows (a smaller block) end in blank cells."""
     width = max(len(values) for values in rows.values())
     lines = [

@@ -15,6 +15,13 @@ from torch import nn
 from modeling_dflash2 import DFlashDraftModel, SamplingSettings, SpeculativeOutput, speculative_generate
 
 
+def with_stats(output: SpeculativeOutput | torch.Tensor) -> SpeculativeOutput:
+    """The output of a loop run with `return_stats=True` (without, the loop returns only the ids)."""
+    if not isinstance(output, SpeculativeOutput):
+        raise TypeError("the speculative loop returned token ids only: call it with return_stats=True")
+    return output
+
+
 @dataclass
 class SpeculativeResult:
     """New tokens (prompt excluded), tokens produced per step (accepted + bonus), and timings."""
@@ -29,7 +36,8 @@ class SpeculativeResult:
         return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
 
     @classmethod
-    def from_output(cls, output: SpeculativeOutput) -> SpeculativeResult:
+    def from_output(cls, output: SpeculativeOutput | torch.Tensor) -> SpeculativeResult:
+        output = with_stats(output)
         return cls(output.new_tokens, output.acceptance_lengths, output.time_to_first_token, output.decode_seconds)
 
 
@@ -51,7 +59,7 @@ def spec_generate(
     so a positional call written for one would swap two arguments of the other silently."""
     output = draft.spec_generate(
         target,
-        input_ids,
+        input_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
         temperature=temperature,
@@ -80,7 +88,7 @@ def target_generate(
     output = speculative_generate(
         target,
         None,
-        input_ids,
+        input_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
         max_new_tokens,
         stop_token_ids,
         SamplingSettings(temperature, top_p, top_k),

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling_dflash2 import DFlashDraftModel
+from modeling_dflash2 import DFlash2CandidateSelector, DFlashDraftModel
+from trainer.evaluation.speculative import with_stats
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import build_blocks, sample_anchors
 from trainer.objective.config import ObjectiveConfig
@@ -100,7 +101,8 @@ def teacher_forced_acceptance(
         anchor_ids = torch.tensor([list(anchors)], dtype=torch.long, device=device)
         keep = torch.ones_like(anchor_ids, dtype=torch.bool)
     dtype = next(draft.parameters()).dtype
-    features = target.capture(input_ids, None, draft.target_layer_ids).to(dtype)
+    # (FrozenTarget.capture has no overload saying that without final_hidden it returns one tensor)
+    features = target.capture(input_ids, None, draft.target_layer_ids).to(dtype)  # type: ignore[union-attr]
     recorder = _HiddenRecorder(draft)
     result = draft_objective(
         draft,
@@ -116,6 +118,8 @@ def teacher_forced_acceptance(
     )
     pooled = {name: (float(n), float(d)) for name, (n, d) in result.terms.items() if name in ("tau_unary", "tau_walk")}
 
+    if recorder.hidden is None:
+        raise RuntimeError("draft_objective did not run the draft's forward through forward_module")
     settings = draft.dflash
     blocks = build_blocks(input_ids, loss_mask, anchor_ids, keep, settings.block_size, settings.mask_token_id)
     proposal_hidden = recorder.hidden.reshape(-1, settings.block_size, recorder.hidden.shape[-1])[:, 1:]
@@ -124,8 +128,9 @@ def teacher_forced_acceptance(
     logits = draft.compute_logits(proposal_hidden, target.lm_head)
     unary = leading_run(logits.argmax(dim=-1) == labels[:, 1:], scored) + 1
     walk = None
-    if getattr(draft, "candidate_selector", None) is not None:
-        walk_tokens = draft.candidate_selector.walk(proposal_hidden, logits, labels[:, 0]).tokens
+    selector = getattr(draft, "candidate_selector", None)
+    if isinstance(selector, DFlash2CandidateSelector):
+        walk_tokens = selector.walk(proposal_hidden, logits, labels[:, 0]).tokens
         walk = (leading_run(walk_tokens == labels[:, 1:], scored) + 1).tolist()
     return TeacherForcedAcceptance(anchor_ids[0].tolist(), unary.tolist(), walk, pooled)
 
@@ -159,13 +164,16 @@ def decode_and_force(
     acceptance of the decoded sequence at the anchors decoding used and at every valid anchor;
     None when the first token already ended the answer (no verification step)."""
     mode = PATH_MODES[path]
-    output = draft.spec_generate(
-        target.model,
-        torch.tensor([list(prompt)], device=target.device),
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids,
-        return_stats=True,
-        use_selector=path == "selector",
+    prompt_ids = torch.tensor([list(prompt)], device=target.device)
+    output = with_stats(
+        draft.spec_generate(
+            target.model,
+            prompt_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            return_stats=True,
+            use_selector=path == "selector",
+        )
     )
     anchors = decoding_anchors(len(prompt), output.acceptance_lengths)
     if not anchors:
@@ -207,8 +215,8 @@ def path_report(
 ) -> dict[str, Any]:
     """(a), (b) and (c) for one decoding path, pooled over the prompts; the per-prompt records too."""
     mode = PATH_MODES[path]
-    records = [decode_and_force(target, draft, p, max_new_tokens, stop_token_ids, path) for p in prompts]
-    records = [record for record in records if record is not None]
+    decoded = [decode_and_force(target, draft, p, max_new_tokens, stop_token_ids, path) for p in prompts]
+    records = [record for record in decoded if record is not None]
     if not records:
         raise ValueError("no prompt reached a verification step: every answer ended at its first token")
     real = [length for record in records for length in record["real"]]

@@ -124,6 +124,7 @@ def build_draft(model_args: Any) -> nn.Module:
     """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
     config = load_draft_config(model_args)
     config._attn_implementation = model_args.attn_implementation
+    draft: nn.Module
     if model_args.init_from:
         draft = warm_start(
             model_args.init_from, config, allow_block_size_change=model_args.init_allow_block_size_change
@@ -158,7 +159,10 @@ def check_attention_for_training(implementation: str, device: torch.device) -> N
 
 @torch.no_grad()
 def flex_forward_gap(
-    draft: nn.Module, batch: Mapping[str, torch.Tensor], embedding_weight: torch.Tensor, num_anchors: int | None = None
+    draft: DFlashDraftModel,
+    batch: Mapping[str, torch.Tensor],
+    embedding_weight: torch.Tensor,
+    num_anchors: int | None = None,
 ) -> float:
     """Max |flex_attention - sdpa| over the draft's block outputs on one batch (no gradients).
 

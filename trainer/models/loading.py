@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 from transformers import AutoModel
 
@@ -24,13 +24,12 @@ HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "subfolder",
 # How transformers says a Hub repo has no safetensors weights when `use_safetensors=True`.
 NO_SAFETENSORS_ON_HUB = "cannot be loaded with `safetensors`"
 
-Loaded = TypeVar("Loaded")
 
-
-def from_pretrained_safetensors(loader: type[Loaded], spec: str | os.PathLike, what: str, **kwargs: Any) -> Loaded:
+def from_pretrained_safetensors(loader: Any, spec: str | os.PathLike, what: str, **kwargs: Any) -> Any:
     """`loader.from_pretrained(spec, use_safetensors=True, ...)`: never a pickle. A local folder with
     only pickle weights is refused before this (`check_checkpoint_weights`, naming the conversion);
-    a Hub repo without safetensors is refused here in one line naming `what`."""
+    a Hub repo without safetensors is refused here in one line naming `what`. `loader` is any class
+    with `from_pretrained` (a model class, an Auto class, PeftModel), hence Any."""
     try:
         return loader.from_pretrained(spec, use_safetensors=True, **kwargs)
     except OSError as error:

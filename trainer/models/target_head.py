@@ -122,7 +122,8 @@ class TargetHead(FrozenTarget):
         model = EmbeddingAndHead(config, *read_embedding_and_head(checkpoint, config, dtype))
         if device is not None:
             model.to(device)
-        return cls(model, AutoTokenizer.from_pretrained(checkpoint), source)
+        # (FrozenTarget types its model as a PreTrainedModel: here it is the embedding and head only)
+        return cls(model, AutoTokenizer.from_pretrained(checkpoint), source)  # type: ignore[arg-type]
 
     # -- what needs the decoder layers ----------------------------------------------------------
 
@@ -153,7 +154,7 @@ class TargetHead(FrozenTarget):
                 "target_sharding: fsdp: there are no decoder layers to shard with streamed features "
                 "(feature_endpoint with offline: false); set target_sharding: none"
             )
-        self.model.to(torch.device(device))
+        self.model.to(torch.device(device))  # type: ignore[arg-type]  # (transformers' decorated .to)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def read_embedding_and_head(
     model = skeleton(config)
     embedding_name, head_name = parameter_names(model)
     files = CheckpointFiles(checkpoint)
-    expected = tuple(model.get_input_embeddings().weight.shape)
+    expected = tuple(model.get_input_embeddings().get_parameter("weight").shape)
     weights = {}
     for name, what in ((embedding_name, "the input embedding"), (head_name, "the LM head")):
         if name is None:
@@ -301,7 +302,8 @@ def read_embedding_and_head(
                 f"gives {list(expected)} (vocabulary rows x hidden size)"
             )
         weights[name] = tensor.to(dtype)
-    embedding = nn.Embedding(*expected, _weight=weights[embedding_name], _freeze=True)
-    head = nn.Linear(expected[1], expected[0], bias=False, device="meta")
+    rows, width = expected
+    embedding = nn.Embedding(rows, width, _weight=weights[embedding_name], _freeze=True)
+    head = nn.Linear(width, rows, bias=False, device="meta")
     head.weight = embedding.weight if head_name is None else nn.Parameter(weights[head_name], requires_grad=False)
     return embedding, head

@@ -32,7 +32,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from modeling_dflash2 import DFlashDraftModel, join_lattices
+from modeling_dflash2 import DFlash2CandidateSelector, DFlashDraftModel, join_lattices
 from trainer.objective.blocks import AnchorDraw, BlockBatch, build_blocks, sample_anchors
 from trainer.objective.config import ObjectiveConfig, selector_chunk_blocks
 from trainer.objective.loss_head import Distillation, HeadOutputs, candidate_unary, fused_unary_cross_entropy
@@ -172,9 +172,9 @@ def _head_pass(
     def joined(values: list[torch.Tensor]) -> torch.Tensor:
         return (values[0] if len(values) == 1 else torch.cat(values)).view(blocks, block - 1, *values[0].shape[1:])
 
-    top = None
-    if top_k:
-        top = (joined([piece.top[0] for piece in pieces]), joined([piece.top[1] for piece in pieces]))
+    tops = [piece.top for piece in pieces if piece.top is not None]  # each piece's when top_k > 0
+    kds = [piece.kd for piece in pieces if piece.kd is not None]  # each piece's when distilling
+    top = (joined([values for values, _ in tops]), joined([ids for _, ids in tops])) if top_k else None
     return _HeadPass(
         numerator=numerator,
         nll=joined([piece.nll for piece in pieces]),
@@ -182,8 +182,16 @@ def _head_pass(
         argmax=joined([piece.argmax for piece in pieces]),
         top=top,
         gold=joined([piece.gold for piece in pieces]),
-        kd=joined([piece.kd for piece in pieces]) if teacher is not None else None,
+        kd=joined(kds) if teacher is not None else None,
     )
+
+
+def candidate_selector(draft: DFlashDraftModel) -> DFlash2CandidateSelector:
+    """The draft's candidate selector; only a DFlash2 draft has one (`draft.dflash.is_dflash2`)."""
+    selector = getattr(draft, "candidate_selector", None)
+    if not isinstance(selector, DFlash2CandidateSelector):
+        raise ValueError(f"{type(draft).__name__} has no candidate selector: the selector term needs a DFlash2 draft")
+    return selector
 
 
 @dataclass
@@ -210,10 +218,13 @@ class _SelectorTerm:
 
     def __init__(self, draft: DFlashDraftModel, head_weight: torch.Tensor, config: ObjectiveConfig):
         self.draft, self.head_weight, self.config = draft, head_weight, config
-        self.selector = draft.candidate_selector
+        self.selector = candidate_selector(draft)
 
     def __call__(self, proposal_hidden: torch.Tensor, labels: torch.Tensor, head: _HeadPass) -> _SelectorPass:
-        candidate_values, candidate_ids = head.top
+        if head.top is None:
+            raise ValueError("the selector term needs the LM-head pass's top-K candidates (top_k > 0)")
+        top = head.top
+        candidate_values, candidate_ids = top
         gold = labels[:, 1:]
         covered = (candidate_ids == gold[..., None]).any(dim=-1)
         if self.config.selector_gold == "insert":  # gold replaces the weakest candidate (training only)
@@ -247,7 +258,7 @@ class _SelectorTerm:
                         proposal_hidden[chunk].detach(),
                         None,
                         labels[chunk, 0],
-                        candidates=(head.top[0][chunk], head.top[1][chunk]),
+                        candidates=(top[0][chunk], top[1][chunk]),
                     )
                 )
         with torch.no_grad():
@@ -386,7 +397,7 @@ def dflash_loss(
     labels, weights = labels[index], weights[index]
 
     decay = decay_weights(block_size, config.resolved_gamma(block_size), hidden.device)
-    top_k = draft.candidate_selector.top_k if with_selector else 0
+    top_k = candidate_selector(draft).top_k if with_selector else 0
     teacher = None
     if config.distills:
         if target_final_hidden is None:

@@ -34,7 +34,7 @@ class HeadOutputs:
     position_weights: torch.Tensor
     argmax: torch.Tensor
     top: tuple[torch.Tensor, torch.Tensor] | None
-    gold: torch.Tensor | None = None  # the gold token's transformed logit per row
+    gold: torch.Tensor  # the gold token's transformed logit per row
     kd: torch.Tensor | None = None  # T^2 * KL(teacher || draft) per row, both at temperature T
 
 

@@ -16,7 +16,7 @@ import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -114,7 +114,7 @@ def load_trained_draft(
     if (checkpoint / "config.json").exists():
         config_file = checkpoint / "config.json"
         check_export_config(read_config_file(config_file, "checkpoint"), f"checkpoint {config_file}", dtype, False)
-        return load_draft(checkpoint)
+        return cast(DFlash2DraftModel, load_draft(checkpoint))  # (load_draft asserts the class, by name)
     if config is None:
         raise ValueError(f"{checkpoint} has no config.json: pass the draft config (--config) to export it.")
     check_export_config(read_config_file(config, "draft config"), f"draft config {config}", dtype, False)
@@ -179,7 +179,7 @@ def _versions() -> dict[str, str]:
 def _check_round_trip(directory: Path, model: DFlash2DraftModel, dtype: torch.dtype) -> None:
     """Rule 20: the written folder reloads strictly and reproduces the in-memory draft's outputs."""
     reloaded = from_pretrained_safetensors(DFlash2DraftModel, directory, "export", dtype=dtype).eval()
-    reference = DFlash2DraftModel(model.config).to(dtype).eval()
+    reference = DFlash2DraftModel(model.config).to(dtype).eval()  # type: ignore[arg-type]  # (transformers' .to)
     reference.load_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()})
     generator = torch.Generator().manual_seed(0)
     settings = model.dflash

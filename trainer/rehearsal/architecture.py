@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from modeling_dflash2 import DFlash2Config
 
@@ -157,7 +164,7 @@ def stand_in_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def target_tokenizer(target: str, offline: bool) -> tuple[PreTrainedTokenizerFast | None, str]:
+def target_tokenizer(target: str, offline: bool) -> tuple[PreTrainedTokenizerBase | None, str]:
     """The target's own tokenizer when it can be read here (a local folder, or the Hub or its cache),
     with where it came from; (None, why) when not."""
     path = Path(target)

@@ -193,7 +193,8 @@ def _objective_arguments() -> type:
     return arguments
 
 
-ObjectiveArguments = _objective_arguments()
+# made at import from the objective's fields, so mypy cannot see them: Any
+ObjectiveArguments: Any = _objective_arguments()
 
 
 @dataclass
@@ -450,7 +451,7 @@ def parse_arguments(argv: list[str], default_recipe: Path | None = None):
     if not argv and default_recipe is not None:
         argv = [str(default_recipe)]
     if "-h" in argv or "--help" in argv:
-        HfArgumentParser(ARGUMENT_CLASSES).print_help()
+        HfArgumentParser(ARGUMENT_CLASSES).print_help()  # type: ignore[arg-type]  # (DataClassType is a Protocol)
         raise SystemExit(0)
     recipe: dict[str, Any] = {}
     if argv and argv[0].endswith((".yaml", ".yml")):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,13 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 REHEARSE_HINT = f"`dflash2 rehearse RECIPE --ranks 2` rehearses FSDP2 on CPU ranks ({FSDP2_ON_CPU_ENV}=1)"
 
 
-def fsdp2_on_cpu_requested(environ: dict[str, str] | None = None) -> bool:
+def fsdp2_on_cpu_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether `DFLASH2_FSDP2_ON_CPU` asks for FSDP2 on CPU ranks."""
     environ = os.environ if environ is None else environ
     return environ.get(FSDP2_ON_CPU_ENV, "").strip().lower() in TRUE_WORDS
 
 
-def fsdp_source(args: Any, environ: dict[str, str] | None = None) -> str | None:
+def fsdp_source(args: Any, environ: Mapping[str, str] | None = None) -> str | None:
     """Who asks this run for FSDP: the recipe's `fsdp` keys or the accelerate config
     (`accelerate launch` exports ACCELERATE_USE_FSDP); None when nobody does."""
     environ = os.environ if environ is None else environ

@@ -98,7 +98,7 @@ def close_process_group(trainer: Trainer) -> None:
         return
     trainer.accelerator.wait_for_everyone()
     finish_watchdog()
-    trainer.model_wrapped = trainer.model
+    trainer.model_wrapped = trainer.model  # type: ignore[assignment]  # (set: the run trained)
     trainer.accelerator.free_memory()
     gc.collect()
     if live_ddp_wrappers():

@@ -435,7 +435,9 @@ def job_store() -> tuple[Any, str, int | None]:
     if not isinstance(store, TCPStore):
         return _get_default_store(), "", None
     agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return store.clone(), f"{store.host}:{store.port}", None if agent_hosted else 0
+    # (torch's stub does not declare Store.clone, which its C++ binding has)
+    clone = store.clone()  # type: ignore[attr-defined]
+    return clone, f"{store.host}:{store.port}", None if agent_hosted else 0
 
 
 def node_ranks(rank: int) -> range | None:
@@ -499,9 +501,10 @@ def watched_run(debug: bool = False) -> Iterator[None]:
         yield
     except BaseException as error:
         watchdog = _active
-        lost = watchdog.explain(error) if watchdog is not None and not debug else None
-        if lost is not None:
-            watchdog.report(lost)
+        if watchdog is not None and not debug:
+            lost = watchdog.explain(error)
+            if lost is not None:
+                watchdog.report(lost)
         finish_watchdog(EXITED)
         raise
     finish_watchdog(DONE)
