@@ -234,9 +234,11 @@ def config_violations(
     if failures:
         return failures
     failures = _rule_2_fields_nested(config) + _shared_rule_violations(config)
+    dfc = config.get("dflash_config")
+    if not isinstance(dfc, dict):  # the config stopped at an earlier rule before reading it
+        failures += [] if any(f.startswith("rule 3:") for f in failures) else [f"rule 3: dflash_config is {dfc!r}"]
     if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
         return failures
-    dfc = config["dflash_config"]
     failures += _rule_5_never_emitted(config, dfc)
     failures += _rule_6_trained_block(dfc, expected_block_size)
     failures += _rule_11_served_logits(dfc)
