@@ -296,7 +296,7 @@ CASES = [
         "draft wider than target",
         "train",
         lambda base, where: [recipe(base, where, draft_config=wider_draft_config(base, where))],
-        "draft hidden_size=64 != target hidden size 32",
+        "the draft does not fit the target {base}/target: hidden_size 64 != the target's hidden size 32",
     ),
     # data
     Case(

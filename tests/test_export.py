@@ -20,6 +20,7 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.evaluation.report import render_markdown
+from trainer.models.target import target_dimensions
 from trainer.publishing.contract import ExportValidationError, TargetDimensions, contract_violations, public_config
 from trainer.publishing.export import (
     EXPORT_FILES,
@@ -394,7 +395,7 @@ def test_overwrite_replaces_only_an_earlier_export_and_keeps_the_users_siblings(
 
 def test_target_dimensions_from_a_local_target(tmp_path, target):
     target.model.save_pretrained(tmp_path / "target")
-    dims = TargetDimensions.from_target(str(tmp_path / "target"), name="org/tiny")
+    dims = target_dimensions(str(tmp_path / "target"), name="org/tiny")
     assert dims == TargetDimensions("org/tiny", 32, target.vocab_rows, 4)
 
 

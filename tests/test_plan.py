@@ -475,7 +475,7 @@ def test_mismatched_target_is_refused(capsys, tiny_recipe):
     with pytest.raises(SystemExit) as stop:
         run(main, [str(RECIPE_8B), *tiny_recipe[:2]])  # the 8B draft against the tiny target
     assert stop.value.code == 2
-    assert "error: draft hidden_size=4096 != target hidden_size 32" in capsys.readouterr().err
+    assert "hidden_size 4096 != the target's hidden size 32" in capsys.readouterr().err
 
 
 def test_module_entry_point_exit_status():

@@ -25,7 +25,6 @@ from tests.conftest import FIXTURES, load_fixture_json, tiny_config_kwargs, tiny
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.cli import run
 from trainer.models.config_bounds import bounds_violations, parameter_count
-from trainer.models.draft import check_draft_for_target, load_draft_config
 from trainer.publishing.contract import (
     ExportValidationError,
     TargetDimensions,
@@ -33,6 +32,7 @@ from trainer.publishing.contract import (
     draft_config_violations,
     public_config,
 )
+from trainer.publishing.draft_gate import check_draft_for_target, load_draft_config
 from trainer.publishing.export import export_draft, load_trained_draft
 from trainer.training import run as train
 
@@ -75,7 +75,11 @@ def test_selector_top_k_has_one_bound_in_config_contract_and_size_bounds():
     assert any("selector_top_k is 1, outside [2," in failure for failure in bounds_violations(raw))
     public = public_config(DFlash2Config(**tiny_config_kwargs()), torch.bfloat16)
     public["dflash_config"]["selector_top_k"] = 1
-    assert "rule 8: selector_top_k 1 must be in [2, vocab_size=50]" in config_violations(public, TARGET)
+    # the contract numbers the config's own verdict (rule 8), in the config's words
+    assert config_violations(public, TARGET) == [
+        "rule 8: selector_top_k must be an integer in [2, vocab_size=50] (docs/contract.md rule 8: the selector "
+        "chooses among its top-k candidates) (got 1)"
+    ]
     # the edges agree in all three homes
     for top_k in (2, 50):
         config = DFlash2Config(**tiny_config_kwargs(dflash_config=tiny_dflash_config(selector_top_k=top_k)))

@@ -13,8 +13,7 @@ from tests.conftest import AskedTheHub
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.models import target as target_module
-from trainer.models.target import FrozenTarget, TargetSource, check_target_sharding
-from trainer.publishing.contract import TargetDimensions
+from trainer.models.target import FrozenTarget, TargetSource, check_target_sharding, target_dimensions
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -45,10 +44,10 @@ def test_target_is_frozen_and_exposes_embedding_and_tied_head():
 @pytest.mark.parametrize(
     ("dflash", "overrides", "message"),
     [
-        (None, {"hidden_size": 64, "intermediate_size": 64}, "hidden_size=64"),
-        (None, {"vocab_size": 40}, "vocab_size=40"),
+        (None, {"hidden_size": 64, "intermediate_size": 64}, "hidden_size 64 != the target's hidden size 32"),
+        (None, {"vocab_size": 40}, "vocab_size 40 != the target's padded vocab"),
         ({"target_layer_ids": [1, 5]}, {"num_target_layers": 8}, r"reach past the target's 4 layers: \[5\]"),
-        (None, {"num_target_layers": 6}, "num_target_layers=6"),
+        (None, {"num_target_layers": 6}, "num_target_layers 6 != the target's depth 4"),
     ],
 )
 def test_check_draft_names_the_mismatch(dflash, overrides, message):
@@ -88,7 +87,7 @@ def test_packaged_gguf_source_errors_clearly():
 @pytest.mark.parametrize("spec", ["./models/foo", "/data/x", "runs/my/target", "~/no-such-dflash2-target"])
 def test_a_missing_local_target_is_named_not_taken_for_a_hub_id(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for load in (FrozenTarget.load, TargetDimensions.from_target):
+    for load in (FrozenTarget.load, target_dimensions):
         with pytest.raises(FileNotFoundError) as caught:
             load(spec)
         assert str(caught.value) == f"target: local path {spec} does not exist"

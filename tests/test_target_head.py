@@ -130,7 +130,7 @@ def test_it_checks_a_draft_as_the_full_target_does(tmp_path):
     head.check_draft(config.dflash_settings, config)
     assert config.dflash_settings.mask_token_id == MASK_TOKEN_ID
     wide = tiny_draft_config_for(head, hidden_size=64, head_dim=16)
-    with pytest.raises(ValueError, match="draft hidden_size=64 != target hidden size 32"):
+    with pytest.raises(ValueError, match="hidden_size 64 != the target's hidden size 32"):
         head.check_draft(wide.dflash_settings, wide)
 
 

@@ -19,9 +19,9 @@ import torch
 
 from trainer.data.dataset import build_datasets, token_datasets
 from trainer.data.online_features import streams_engine_features
-from trainer.models.draft import load_draft_config
 from trainer.models.target import FrozenTarget, TargetTokenizer
 from trainer.plan.fit_check import check_target_fits
+from trainer.publishing.draft_gate import load_draft_config
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import parse_arguments
 from trainer.training.run import print_recipe_help

@@ -18,47 +18,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from modeling_dflash2.configuration_dflash2 import MIN_BLOCK_SIZE, MIN_SELECTOR_TOP_K
-from trainer.fileio import read_json_object
+from modeling_dflash2.configuration_dflash2 import FIELD_BOUNDS, Bound, is_int
+from trainer.fileio import format_bytes, read_json_object
+from trainer.models.tensor_layout import expected_tensors
 
 # config.json of a draft is ~2 KiB; reading (and JSON-parsing) a file larger than this is refused.
 MAX_CONFIG_BYTES = 1 << 20
-
-# Servers draft block_size - 1 tokens per step and verify them in one target pass; published drafts
-# use 8 or 16, and acceptance beyond a few dozen tokens is nil. 64 is 4x the largest published.
-MAX_BLOCK_SIZE = 64
-MAX_TARGET_LAYERS = 1024
-
-# (minimum, maximum, why): the largest released dense LLMs have hidden 16384, MLP 53248, 126 layers,
-# 128 heads, vocabularies of 262k; a draft has 1-8 layers.
-TOP_LEVEL_BOUNDS: dict[str, tuple[int, int, str]] = {
-    "hidden_size": (1, 65536, "4x the widest released LLM"),
-    "intermediate_size": (1, 262144, "4x the widest released MLP"),
-    "num_hidden_layers": (1, 256, "a draft has 1-8 layers"),
-    "num_attention_heads": (1, 1024, "8x the most heads of a released LLM"),
-    "num_key_value_heads": (1, 1024, "8x the most heads of a released LLM"),
-    "vocab_size": (2, 1 << 22, "16x the largest released vocabulary"),
-}
-OPTIONAL_BOUNDS: dict[str, tuple[int, int, str]] = {  # a DFlash v1 config may omit them
-    "num_target_layers": (1, MAX_TARGET_LAYERS, "8x the deepest released LLM"),
-    "head_dim": (2, 1024, "4x the largest released head_dim"),
-}
-DFLASH_BOUNDS: dict[str, tuple[int, int, str]] = {
-    "block_size": (
-        MIN_BLOCK_SIZE,
-        MAX_BLOCK_SIZE,
-        "servers draft block_size - 1 tokens per step; published drafts use 8 or 16",
-    ),
-    "conv_kernel_size": (1, MAX_BLOCK_SIZE, "at most block_size"),
-    "conv_group_size": (1, 65536, "it divides hidden_size"),
-    "selector_rank": (1, 65536, "published drafts use 64"),
-    "selector_top_k": (
-        MIN_SELECTOR_TOP_K,
-        1024,
-        "rule 8: the selector chooses among >= 2 candidates; scores grow with top_k squared per slot, "
-        "published drafts use 8-16",
-    ),
-}
+# The widths every draft config states (the rest of the bounds table is checked when present).
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
 FLOAT32_BYTES = 4
 
 
@@ -67,23 +41,30 @@ class InsufficientMemoryError(ValueError):
     raised before any allocation, unlike the MemoryError an allocation raises."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read_config_file(path: str | os.PathLike, what: str = "config", limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
-    """A JSON object from a small file (a config, a report): `read_json_object` with a size limit, so
-    a file larger than `limit` bytes is refused before it is read."""
-    return read_json_object(path, what, limit)
-
-
-def _bounded(name: str, value: Any, bound: tuple[int, int, str]) -> str | None:
-    low, high, why = bound
-    if not _is_int(value):
+def _bounded(name: str, value: Any, bound: Bound) -> str | None:
+    if not is_int(value):
         return f"{name} must be an integer, got {value!r}"
-    if not low <= value <= high:
-        return f"{name} is {value}, outside [{low}, {high}] ({why})"
+    if not bound.low <= value <= bound.cap:
+        return f"{name} is {value}, outside [{bound.low}, {bound.cap}] ({bound.why})"
     return None
+
+
+def _size_violations(config: dict[str, Any], dfc: dict[str, Any]) -> list[str]:
+    """Every field of the bounds table (`FIELD_BOUNDS`) outside its range: required widths always,
+    the others when present; a DFlash v1 config may keep block_size at the top level."""
+    found: list[str | None] = []
+    for name, bound in FIELD_BOUNDS.items():
+        if bound.cap is None:
+            continue  # a rule the config enforces, with no size to cap
+        nested = name.removeprefix("dflash_config.")
+        values = dfc if nested != name else config
+        if (nested in values and values[nested] is not None) or name in REQUIRED_FIELDS:
+            found.append(_bounded(name, values.get(nested), bound))
+    if "block_size" in config:  # a DFlash v1 config keeps it at the top level
+        found.append(_bounded("block_size", config["block_size"], FIELD_BOUNDS["dflash_config.block_size"]))
+    if "block_size" not in dfc and "block_size" not in config:
+        found.append("dflash_config.block_size is missing")
+    return [failure for failure in found if failure is not None]
 
 
 def bounds_violations(config: dict[str, Any]) -> list[str]:
@@ -93,20 +74,7 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
     dfc = config.get("dflash_config")
     if not isinstance(dfc, dict):
         return [f"dflash_config must be an object, got {dfc!r}"]
-    failures: list[str | None] = [_bounded(name, config.get(name), bound) for name, bound in TOP_LEVEL_BOUNDS.items()]
-    failures += [
-        _bounded(name, config[name], bound) for name, bound in OPTIONAL_BOUNDS.items() if config.get(name) is not None
-    ]
-    if "block_size" in config:  # a DFlash v1 config keeps it at the top level
-        failures.append(_bounded("block_size", config["block_size"], DFLASH_BOUNDS["block_size"]))
-    if "block_size" not in dfc and "block_size" not in config:
-        failures.append("dflash_config.block_size is missing")
-    failures += [
-        _bounded(f"dflash_config.{name}", value, bound)
-        for name, bound in DFLASH_BOUNDS.items()
-        if (value := dfc.get(name)) is not None
-    ]
-    found = [failure for failure in failures if failure is not None]
+    found = _size_violations(config, dfc)
     if found:
         return found
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -118,8 +86,8 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
     if hidden % dfc.get("conv_group_size", 1):
         failures.append(f"dflash_config.conv_group_size {dfc['conv_group_size']} must divide hidden_size {hidden}")
     ids = dfc.get("target_layer_ids")
-    depth = config.get("num_target_layers") or MAX_TARGET_LAYERS
-    if not isinstance(ids, list) or not 1 <= len(ids) <= depth or not all(_is_int(i) and 0 <= i < depth for i in ids):
+    depth = config.get("num_target_layers") or FIELD_BOUNDS["num_target_layers"].cap
+    if not isinstance(ids, list) or not 1 <= len(ids) <= depth or not all(is_int(i) and 0 <= i < depth for i in ids):
         shown = ids if not isinstance(ids, list) or len(ids) <= 16 else f"a list of {len(ids)}"
         failures.append(f"dflash_config.target_layer_ids must be 1 to {depth} ids in [0, {depth}), got {shown!r}")
     return failures
@@ -127,8 +95,6 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
 
 def parameter_count(config: dict[str, Any]) -> int:
     """The draft's parameters, from the contract's tensor list (a v1 config has no conv or selector)."""
-    from trainer.publishing.contract import expected_tensors
-
     # DFlash v1 (or a config missing them, or writing them as null): the DFlash2 modules hold nothing
     absent = {"conv_kernel_size": 0, "conv_group_size": config["hidden_size"], "selector_rank": 0}
     dfc = {**absent, **{key: value for key, value in config["dflash_config"].items() if value is not None}}
@@ -168,14 +134,6 @@ def available_memory() -> int | None:
             available = headroom if available is None else min(available, headroom)
             break
     return available
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError  # unreachable
 
 
 def check_memory(needed: int, source: str, purpose: str, detail: str) -> None:
@@ -224,7 +182,7 @@ def check_checkpoint_config(
     path = checkpoint_config_file(spec, **hub_kwargs)
     if path is not None:
         check_draft_config(
-            read_config_file(path, what),
+            read_json_object(path, what, MAX_CONFIG_BYTES),
             f"{what} {path}",
             purpose=purpose,
             bytes_per_parameter=bytes_per_parameter,

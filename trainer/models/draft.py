@@ -1,11 +1,8 @@
 """The recipe's draft, from `draft_config` or `init_from`: its config (which the planner reads
 without building anything) and the model training builds from it (fresh, warm-started, LoRA).
 
-A draft config the export would refuse is refused here, before anything is built or trained, by the
-export's own rules (`trainer.publishing.contract.draft_config_violations`): the config-only rules as
-the config is read, the rules that need the target once it is loaded (`check_draft_for_target`).
-A DFlash v1 config trains (it is `dflash2 compare`'s baseline) with a warning that it cannot be
-exported, and is refused up front only when the run would end by pushing it.
+`read_draft_config` applies the config's own rules and the size bounds; the export's stricter rules,
+which training also applies before anything is built, are `trainer.publishing.draft_gate`'s.
 
 flex_attention trains only where torch has its backward (CUDA): a CPU run asking for it is refused
 before anything loads (`check_attention_for_training`); its forward runs anywhere, and
@@ -13,8 +10,6 @@ before anything loads (`check_attention_for_training`); its forward runs anywher
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,24 +17,16 @@ import torch
 from torch import nn
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
-from trainer.fileio import require_existing_path
-from trainer.models.config_bounds import FLOAT32_BYTES, bounds_violations, check_draft_config, read_config_file
+from trainer.fileio import read_json_object, require_existing_path
+from trainer.models.config_bounds import FLOAT32_BYTES, MAX_CONFIG_BYTES, bounds_violations, check_draft_config
 from trainer.models.warm_start import check_init_from, warm_start
 from trainer.objective.blocks import build_blocks, sample_anchors
 from trainer.objective.loss import embed_draft_ids
 from trainer.objective.masks import attention_masks
-from trainer.publishing.contract import RULE_22_V1, TargetDimensions, check_exportable_draft
 from trainer.recipe_files import resolve_path
-
-logger = logging.getLogger(__name__)
 
 V1_INIT_FROM = "init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules."
 NO_DRAFT = "draft_config is required (or init_from a DFlash2 checkpoint)."
-V1_TRAINS = (
-    "%s is a DFlash v1 draft: it trains (as the baseline of dflash2 compare) and dflash2 evaluate reads it, "
-    "but export and push_to_hub refuse it (docs/contract.md rule 22)"
-)
-V1_PUSH = "; push_to_hub would fail after training: unset push_to_hub, or train a DFlash2 draft_config"
 FLEX_ON_CPU = (
     "attn_implementation: flex_attention cannot train on CPU: torch has no CPU backward for flex_attention; "
     "use attn_implementation: sdpa here (the GPU run keeps flex_attention)"
@@ -54,39 +41,27 @@ def _read_config(path: Any, source: str) -> DFlash2Config:
         raise ValueError(f"{source}: {error}") from None
 
 
-def _checked(config: DFlash2Config, source: str) -> DFlash2Config:
-    """The export's config-only rules, before anything is built: a v1 draft only warns."""
-    if config.is_dflash2:
-        check_exportable_draft(config, source)
-    else:
-        _warn_v1(source)
-    return config
-
-
-@functools.cache
-def _warn_v1(source: str) -> None:
-    """Once per config: the planner's memory check reads the draft config before training does."""
-    logger.warning(V1_TRAINS, source)
-
-
-def load_draft_config(model_args: Any, *, building: bool = True) -> DFlash2Config:
-    """The recipe's draft config: `draft_config`, else a DFlash2 `init_from`'s config.json, read
-    alone and its sizes bounded before anything is built. `building=False` (the planner, which builds
-    on the meta device) skips the check that this machine's memory holds the fp32 weights."""
+def read_draft_config(model_args: Any, *, building: bool = True) -> tuple[DFlash2Config, str]:
+    """The recipe's draft config and where it came from (for messages): `draft_config`, else a
+    DFlash2 `init_from`'s config.json, read alone and its sizes bounded before anything is built.
+    `building=False` (the planner, which builds on the meta device) skips the check that this
+    machine's memory holds the fp32 weights. The export's stricter rules are
+    `trainer.publishing.draft_gate`'s to add."""
     if model_args.draft_config:
         path = resolve_path(model_args.draft_config, "draft_config")
-        values = read_config_file(path, "draft_config")
+        source = f"draft_config {path}"
+        values = read_json_object(path, "draft_config", MAX_CONFIG_BYTES)
         if building:
             check_draft_config(
                 values,
-                f"draft_config {path}",
+                source,
                 purpose="building this draft",
                 bytes_per_parameter=FLOAT32_BYTES,
                 detail="its fp32 weights",
             )
         elif failures := bounds_violations(values):
-            raise ValueError(f"draft_config {path}: " + "; ".join(failures))
-        return _checked(_read_config(path, f"draft_config {path}"), f"draft_config {path}")
+            raise ValueError(f"{source}: " + "; ".join(failures))
+        return _read_config(path, source), source
     if model_args.init_from:
         spec = (
             check_init_from(model_args.init_from)
@@ -99,30 +74,13 @@ def load_draft_config(model_args: Any, *, building: bool = True) -> DFlash2Confi
             raise ValueError(f"init_from {spec}: {error}") from None
         if not config.is_dflash2:
             raise ValueError(V1_INIT_FROM)
-        return _checked(config, f"init_from {spec}")
+        return config, f"init_from {spec}"
     raise ValueError(NO_DRAFT)
-
-
-def check_draft_for_target(config: DFlash2Config, target: Any, push_to_hub: bool = False) -> None:
-    """Once the target is loaded, before training: the export's rules that need it (mask id, depth,
-    hidden size, vocabulary: rules 9, 10, 12, 13) with its messages; a v1 draft is refused only when
-    the run ends with a push, which would export it. `target` is a loaded `FrozenTarget`."""
-    if not config.is_dflash2:
-        if push_to_hub:
-            raise ValueError(RULE_22_V1.format(source="the draft") + V1_PUSH)
-        return
-    dimensions = TargetDimensions(
-        name=str(target.source_name),
-        hidden_size=target.hidden_size,
-        vocab_size=target.vocab_rows,
-        num_layers=target.num_layers,
-    )
-    check_exportable_draft(config, "the draft", dimensions)
 
 
 def build_draft(model_args: Any) -> nn.Module:
     """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
-    config = load_draft_config(model_args)
+    config, _ = read_draft_config(model_args)
     config._attn_implementation = model_args.attn_implementation
     draft: nn.Module
     if model_args.init_from:

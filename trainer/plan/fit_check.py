@@ -21,7 +21,8 @@ import os
 
 import torch
 
-from trainer.models.config_bounds import InsufficientMemoryError, available_memory, format_bytes
+from trainer.fileio import format_bytes
+from trainer.models.config_bounds import InsufficientMemoryError, available_memory
 from trainer.plan.facts import DEVICES, DTYPE_BYTES, launched_accelerate_config, load_target_config, target_facts
 from trainer.plan.memory import MemoryPlan, plan_run
 

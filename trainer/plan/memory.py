@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.models.draft import load_draft_config
 from trainer.objective.config import selector_chunk_blocks
 from trainer.plan.anchors import fitting_anchors
 from trainer.plan.facts import (
@@ -33,6 +32,7 @@ from trainer.plan.facts import (
     run_facts,
     target_facts,
 )
+from trainer.publishing.draft_gate import load_draft_config
 
 PARTS = (
     "target_weights",
@@ -648,7 +648,7 @@ def plan_run(
         raise ValueError(f"--gpu-memory-gb must be > 0 (got {gpu_memory_bytes / GIB:g})")
     draft = draft_facts(load_draft_config(model_args, building=False))  # configs only: nothing is built
     target = target_facts(load_target_config(model_args, cache_root))
-    check_pair(draft, target)
+    check_pair(draft, target, model_args.target)
     run = run_facts(model_args, data_args, training_args, num_gpus, accelerate, device)
     if run.streams_features:  # what a vLLM server cannot return is refused here as training refuses it
         from trainer.data.engine_features import check_engine_layers

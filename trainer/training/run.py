@@ -27,15 +27,11 @@ from trainer.data.online_features import configure_streamed_run, streams_engine_
 from trainer.data.packing import PackedDataset
 from trainer.fileio import default_cache_root, write_file_atomically
 from trainer.locks import lock_run_folder
-from trainer.models.draft import (
-    build_draft,
-    check_attention_for_training,
-    check_draft_for_target,
-    load_draft_config,
-)
+from trainer.models.draft import build_draft, check_attention_for_training
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.models.target_head import TargetHead
 from trainer.plan.fit_check import check_run_fits
+from trainer.publishing.draft_gate import check_draft_for_target, load_draft_config
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
 from trainer.training.checkpoints import list_checkpoints, newest_complete_checkpoint
