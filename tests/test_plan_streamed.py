@@ -14,10 +14,10 @@ import pytest
 from transformers import AutoConfig, LlamaConfig
 
 from modeling_dflash2 import DFlash2Config
+from trainer.commands.configure import main as configure
+from trainer.commands.plan import main
 from trainer.data.engine_features import engine_feature_command
 from trainer.plan import fit_check
-from trainer.plan.cli import main
-from trainer.plan.configure import main as configure
 from trainer.plan.facts import GIB, draft_facts, run_facts, target_facts
 from trainer.plan.memory import MemoryPlan, capture_bytes, step_shape, streamed_feature_bytes
 from trainer.training.arguments import parse_arguments

@@ -173,14 +173,16 @@ def test_report_pools_the_paths_and_renders_a_table(pair):
 
 
 def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, monkeypatch):
-    from trainer.evaluation import tau_gap_command as tau_gap
+    from trainer.commands import tau_gap
 
     target, draft = pair
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
     (tmp_path / "draft" / "dflash2_recipe.json").write_text(json.dumps({"format": "dflash2-hub recipe"}))  # a run
-    (tmp_path / "draft" / "demo_summary.json").write_text(json.dumps({"trained": {"eval_tau_walk": 2.5}}))
+    final_evaluation = {"step": 4, "eval_loss": 1.0, "eval_tau_walk": 2.5}  # the run's record of its last evaluation
+    state = {"global_step": 4, "log_history": [final_evaluation]}
+    (tmp_path / "draft" / "trainer_state.json").write_text(json.dumps(state))
     report = tau_gap.main(
         [
             *("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")),

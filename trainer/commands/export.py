@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.models.config_bounds import MAX_CONFIG_BYTES, read_config_file
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import check_export_output, export_draft, load_trained_draft, training_record

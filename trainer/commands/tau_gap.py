@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.data.chat import end_of_turn_ids
 from trainer.evaluation.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
 from trainer.evaluation.report import REPORT_DRAFT_KEY, check_report_path, default_report_folder, training_summary
