@@ -1,6 +1,6 @@
-"""Bad input to the command-line scripts: exit status 2 and one `error:` line naming the problem.
+"""Bad input to the commands: exit status 2 and one `error:` line naming the problem.
 
-The table runs each script's `main` through `trainer.commands.runner.run`, exactly as its `__main__` does, on
+The table runs each command's `main` through `trainer.commands.runner.run`, exactly as `dflash2` does, on
 the tiny run of tests/distributed/tiny_setup.py; the subprocess tests check that wiring itself,
 `--debug`, and that only one rank speaks under torchrun.
 """
@@ -23,8 +23,7 @@ from transformers import Qwen3NextForCausalLM
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_hybrid_config, tiny_target
-from trainer.commands import evaluate, prepare, publish, train
-from trainer.commands import export as export
+from trainer.commands import evaluate, export, prepare, publish, train
 from trainer.commands.runner import run
 from trainer.locks import FolderLock, lock_run_folder
 from trainer.training.checkpoints import write_manifest

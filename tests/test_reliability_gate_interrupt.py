@@ -100,7 +100,7 @@ def start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Stderr]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("DFLASH2_DEBUG", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.commands", *args],
+        [sys.executable, "-m", "trainer", *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -157,6 +157,3 @@ def main(argv: list[str] | None = None) -> NoReturn:
     module = importlib.import_module(command.module)
     run(module.main, rest)
 
-
-if __name__ == "__main__":
-    main()

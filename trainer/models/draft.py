@@ -4,7 +4,7 @@ without building anything) and the model training builds from it (fresh, warm-st
 A draft config the export would refuse is refused here, before anything is built or trained, by the
 export's own rules (`trainer.publishing.contract.draft_config_violations`): the config-only rules as
 the config is read, the rules that need the target once it is loaded (`check_draft_for_target`).
-A DFlash v1 config trains (it is `dflash2 compare`'s baseline) with a warning that it cannot be
+A DFlash v1 config trains (it is `make compare`'s baseline) with a warning that it cannot be
 exported, and is refused up front only when the run would end by pushing it.
 
 flex_attention trains only where torch has its backward (CUDA): a CPU run asking for it is refused
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 V1_INIT_FROM = "init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules."
 NO_DRAFT = "draft_config is required (or init_from a DFlash2 checkpoint)."
 V1_TRAINS = (
-    "%s is a DFlash v1 draft: it trains (as the baseline of dflash2 compare) and dflash2 evaluate reads it, "
+    "%s is a DFlash v1 draft: it trains (as the baseline of make compare) and dflash2 evaluate reads it, "
     "but export and push_to_hub refuse it (docs/contract.md rule 22)"
 )
 V1_PUSH = "; push_to_hub would fail after training: unset push_to_hub, or train a DFlash2 draft_config"

@@ -383,7 +383,7 @@ def starter_recipe(
     else:
         header = (
             "# 8-GPU node, FSDP2 + bf16 from the accelerate config:\n"
-            "#   accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py {recipe}\n"
+            "#   accelerate launch --config_file examples/accelerate/fsdp2.yaml -m trainer train {recipe}\n"
             "# Size it first: dflash2 plan {recipe} --accelerate-config examples/accelerate/fsdp2.yaml\n"
         )
         body = {
