@@ -156,4 +156,3 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     module = importlib.import_module(command.module)
     run(module.main, rest)
-
