@@ -195,7 +195,8 @@ def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, mon
     assert written["training_eval"] == {"walk": 2.5}
     assert "| selector (walk) |" in capsys.readouterr().out
     # an exported or downloaded draft is never written into: its report goes under outputs/evaluate
-    (tmp_path / "draft" / "dflash2_recipe.json").unlink()
+    for run_file in ("dflash2_recipe.json", "trainer_state.json"):  # an export holds neither
+        (tmp_path / "draft" / run_file).unlink()
     monkeypatch.chdir(tmp_path)
     before = sorted(path.name for path in (tmp_path / "draft").rglob("*"))
     exported = tau_gap.main(
@@ -205,5 +206,5 @@ def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, mon
         ]
     )
     assert sorted(path.name for path in (tmp_path / "draft").rglob("*")) == before
-    assert "training_eval" not in exported  # a summary is read only from a run this project wrote
+    assert "training_eval" not in exported  # no training record: no training evaluation shown
     assert (tmp_path / "outputs" / "evaluate" / "draft" / "tau_gap.json").is_file()
