@@ -83,7 +83,7 @@ def test_a_second_run_on_a_finished_run_is_refused_and_the_first_stays_whole(fin
         error = refused([str(recipe), *flags], capsys)
         assert error == (
             f"error: output_dir {output} holds another run's results (checkpoint-2, checkpoint-4, config.json, "
-            "demo_summary.json, … 4 more): continue it with --resume_from_checkpoint true, replace them with "
+            "dflash2_recipe.json, … 3 more): continue it with --resume_from_checkpoint true, replace them with "
             "--overwrite_output_dir true, or choose another output_dir"
         )
     after = tree(output)
