@@ -99,9 +99,10 @@ demo-results: setup demo-keep-previous
 	$(BIN)/python -m benchmarks.results_doc
 
 # the equal-budget recipe comparison of docs/results.md (DFlash v1 CE, DFlash2 CE / KD / CE+KD, seeds
-# 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable)
+# 0 1 2, each trained like the demo and decoded for real; about 2 hours on 2 CPU cores, resumable):
+# benchmarks/compare.py, a research experiment, not a `dflash2` command
 compare: setup
-	$(BIN)/dflash2 compare
+	$(BIN)/python -m benchmarks.compare
 
 # performance benchmarks (not part of `make test`): writes benchmarks/results/<device>.json
 bench: setup

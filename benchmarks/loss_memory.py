@@ -26,7 +26,7 @@ import torch
 
 from benchmarks import setups
 from benchmarks.naive import naive_loss
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 from trainer.objective.blocks import AnchorDraw, build_blocks, sample_anchors
 from trainer.objective.config import ObjectiveConfig
 from trainer.objective.loss import dflash_loss

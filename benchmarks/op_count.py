@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import setups
 from benchmarks.train_step import optimized_step
 from modeling_dflash2 import DFlash2Config
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 from trainer.objective.config import ObjectiveConfig
 from trainer.objective.loss import OBJECTIVE_LABEL
 

@@ -71,7 +71,7 @@ from benchmarks.capture import (
     draft_layer_ids,
     layer_flops_per_token,
 )
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 from trainer.data.chat import tokenize_chat
 from trainer.data.dataset import DFlashCollator
 from trainer.data.packing import PackedDataset, pack_rows, padding_fraction

@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks import cpu_doc, demo_doc, long_context_doc
 from benchmarks.doc_parts import replace_section, section, write_text_atomically
 from benchmarks.engines import render as engines_render
-from trainer.cli import command_parser, run
+from trainer.commands.runner import command_parser, run
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

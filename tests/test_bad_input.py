@@ -1,6 +1,6 @@
-"""Bad input to the command-line scripts: exit status 2 and one `error:` line naming the problem.
+"""Bad input to the commands: exit status 2 and one `error:` line naming the problem.
 
-The table runs each script's `main` through `trainer.cli.run`, exactly as its `__main__` does, on
+The table runs each command's `main` through `trainer.commands.runner.run`, exactly as `dflash2` does, on
 the tiny run of tests/distributed/tiny_setup.py; the subprocess tests check that wiring itself,
 `--debug`, and that only one rank speaks under torchrun.
 """
@@ -23,13 +23,9 @@ from transformers import Qwen3NextForCausalLM
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_hybrid_config, tiny_target
-from trainer.cli import run
-from trainer.data import prepare
-from trainer.evaluation import evaluate_command as evaluate
+from trainer.commands import evaluate, export, prepare, publish, train
+from trainer.commands.runner import run
 from trainer.locks import FolderLock, lock_run_folder
-from trainer.publishing import export_command as export
-from trainer.publishing import publish_command as publish
-from trainer.training import run as train
 from trainer.training.checkpoints import write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -663,20 +659,18 @@ def script(*args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> subprocess.
 @pytest.mark.slow
 def test_the_scripts_themselves_print_one_line_and_exit_2(base, tmp_path):
     bad = recipe(base, tmp_path, learning_rate="fast")
-    result = script(str(REPO / "examples" / "train.py"), bad, cwd=tmp_path)
+    result = script("-m", "trainer", "train", bad, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: recipe field learning_rate: 'fast' is not a float"
     assert "Traceback" not in result.stderr
-    debug = script(str(REPO / "examples" / "train.py"), bad, "--debug", cwd=tmp_path)
+    debug = script("-m", "trainer", "train", bad, "--debug", cwd=tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
 @pytest.mark.slow
 def test_under_torchrun_one_rank_prints_the_error(base, tmp_path):
     launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-    result = script(
-        str(REPO / "examples" / "train.py"), recipe(base, tmp_path, max_steps="four"), cwd=tmp_path, launcher=launcher
-    )
+    result = script("-m", "trainer", "train", recipe(base, tmp_path, max_steps="four"), cwd=tmp_path, launcher=launcher)
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "error: recipe field max_steps" in line]
     assert lines == ["error: recipe field max_steps: 'four' is not an int"]
@@ -692,7 +686,7 @@ def test_under_torchrun_one_rank_prints_the_error(base, tmp_path):
 def test_a_silent_rank_gives_rank_zero_time_to_print_before_exiting(rank, said, waits, monkeypatch, capsys):
     """The launcher stops the job when the first rank exits: another rank must not beat rank 0, and
     prints its own line only when still running after the grace (its error was its own)."""
-    import trainer.cli as cli
+    import trainer.commands.runner as cli
 
     slept: list[float] = []
     monkeypatch.setattr(cli.time, "sleep", slept.append)

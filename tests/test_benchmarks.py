@@ -132,7 +132,7 @@ def test_benchmark_commands_print_usage_for_help(module, capsys):
     """`python -m benchmarks.<module> --help` prints the usage and exits 0 (it crashed or was ignored)."""
     import importlib
 
-    from trainer.cli import run as run_command
+    from trainer.commands.runner import run as run_command
 
     with pytest.raises(SystemExit) as stop:
         run_command(importlib.import_module(f"benchmarks.{module}").main, ["--help"])
@@ -142,7 +142,7 @@ def test_benchmark_commands_print_usage_for_help(module, capsys):
 
 def test_loss_memory_command_measures_one_point_and_refuses_bad_arguments(capsys):
     from benchmarks import loss_memory
-    from trainer.cli import run as run_command
+    from trainer.commands.runner import run as run_command
 
     result = loss_memory.main(["tiny", "8", "chunked"])
     assert json.loads(capsys.readouterr().out) == result

@@ -230,7 +230,7 @@ def test_thinking_share_is_checked_and_part_of_the_resume_identity(tmp_path):
 def test_the_rehearsal_data_check_counts_every_sample_of_a_rewritten_conversation(tokenizer, tmp_path):
     """`dflash2 rehearse` renders the first conversation as training will: a Qwen3-like template makes
     three samples of THREE_TURNS (one per user query), all supervised, where one sample would be refused."""
-    from trainer.rehearsal.command import Rehearsal
+    from trainer.rehearsal.run import Rehearsal
 
     tokenizer.save_pretrained(tmp_path / "target")
     data = tmp_path / "chats.jsonl"

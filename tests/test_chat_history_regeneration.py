@@ -148,7 +148,7 @@ def test_conversations_the_old_templating_refused_train(tmp_path, capsys):
 
     from tests.test_chat_history import THREE_TURNS, TOOL_CONVERSATION, WEATHER
     from tests.tiny_target import tiny_draft_config_for
-    from trainer.training import run as train
+    from trainer.commands import train
 
     target = qwen3_like_target()
     target.model.save_pretrained(tmp_path / "target")

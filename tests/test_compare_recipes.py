@@ -1,4 +1,4 @@
-"""`dflash2 compare` (trainer.evaluation.compare): the recipes as training flags, the v1 draft config, the numbers read
+"""`make compare` (benchmarks/compare.py): the recipes as training flags, the v1 draft config, the numbers read
 back from a finished run, the table, and resuming where a comparison stopped."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import compare as compare_recipes
 from modeling_dflash2 import DFlash2Config, DFlashDraftModel
-from trainer.evaluation import compare as compare_recipes
 from trainer.training.arguments import parse_arguments
 
 
@@ -45,12 +45,15 @@ STAGES = ("train", "heldout", "humaneval")
 
 
 def write_finished_run(run_dir: Path, *, walk: bool = True, lossless: bool = True, stages=STAGES) -> None:
-    """What train.py and evaluate.py leave in a run directory (for the given stages)."""
+    """What `dflash2 train` and `dflash2 evaluate` leave in a run directory (for the given stages)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if "train" in stages:
         trained = {"eval_tau_unary": 2.5, **({"eval_tau_walk": 2.75} if walk else {})}
-        (run_dir / "demo_summary.json").write_text(json.dumps({"trained": trained}))
-        history = [{"eval_runtime": 10.0, "step": 0}, {"train_runtime": 310.0, "step": 300}, {"eval_runtime": 12.0}]
+        history = [
+            {"eval_loss": 9.0, "eval_tau_unary": 1.0, "eval_runtime": 10.0, "step": 0},
+            {"train_runtime": 310.0, "step": 300},
+            {"eval_loss": 3.0, **trained, "eval_runtime": 12.0, "step": 300},
+        ]
         (run_dir / "trainer_state.json").write_text(json.dumps({"global_step": 300, "log_history": history}))
     served = "trained/selector" if walk else "trained/unary"
     for benchmark, tau in (("heldout", 2.0), ("humaneval", 1.25)):

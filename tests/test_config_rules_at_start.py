@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.cli import run
+from trainer.commands import train
+from trainer.commands.runner import run
 from trainer.models.target import FrozenTarget
 from trainer.plan.fit_check import SKIP_VARIABLE
-from trainer.training import run as train
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,11 @@ from transformers import PreTrainedTokenizerFast
 
 from modeling_dflash2 import DFlash2Config
 from tests.tiny_target import tiny_tokenizer
-from trainer.cli import run
+from trainer.commands.configure import main
+from trainer.commands.runner import run
 from trainer.models.target import TargetSource
 from trainer.plan import configure
-from trainer.plan.configure import choose_mask_token, main, target_layer_ids
+from trainer.plan.configure import choose_mask_token, target_layer_ids
 from trainer.plan.facts import GIB, read_accelerate_config
 from trainer.plan.memory import plan_run
 from trainer.publishing.contract import TargetDimensions, config_violations

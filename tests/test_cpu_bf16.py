@@ -20,8 +20,8 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
+from trainer.commands import train
 from trainer.data.dataset import DFlashCollator
-from trainer.training import run as train
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.trainer import DFlash2Trainer
 
@@ -114,7 +114,7 @@ def outcome(output: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, floa
 def test_a_bf16_tiny_run_trains_checkpoints_resumes_exactly_and_exports(tmp_path, caplog):
     from transformers import AutoModel
 
-    from trainer.publishing import export_command
+    from trainer.commands import export as export_command
 
     recipe = write_tiny_run(tmp_path, bf16=True, num_eval_samples=0, kd_weight=0.5)
     train.main([str(recipe)])

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.evaluation.report import run_summary
 from trainer.locks import RUN_LOCK_NAME
 from trainer.training.checkpoints import MANIFEST, checkpoint_problems
 from trainer.training.distributed import LEAKED_WRAPPER_WARNING, close_process_group, live_ddp_wrappers
@@ -48,7 +49,6 @@ def assert_draft_directory(directory: Path, extra: set[str] = frozenset()) -> No
     allowed = {
         "training_args.bin",
         "trainer_state.json",
-        "demo_summary.json",
         "runs",
         "dflash2_recipe.json",
         RUN_LOCK_NAME,
@@ -68,7 +68,7 @@ def assert_complete(checkpoint: Path, written_by_all_ranks: set[str]) -> None:
 
 def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
     recipe = write_tiny_run(tmp_path)
-    torchrun(str(REPO / "examples" / "train.py"), str(recipe), cwd=tmp_path)
+    torchrun("-m", "trainer", "train", str(recipe), cwd=tmp_path)
     output = tmp_path / "output"
     resume_files = {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"}
     for checkpoint in ("checkpoint-2", "checkpoint-4"):
@@ -78,8 +78,7 @@ def test_ddp_two_processes_tiny_recipe_end_to_end(tmp_path):
     state = json.loads((output / "checkpoint-4" / "trainer_state.json").read_text())
     train_logs = [log for log in state["log_history"] if "loss" in log and "eval_loss" not in log]
     assert len(train_logs) == 4 and all("tau_walk" in log and "coverage" in log for log in train_logs)
-    summary = json.loads((output / "demo_summary.json").read_text())
-    assert summary["trained"]["eval_tau_walk"] >= 1.0
+    assert run_summary(output)["trained"]["eval_tau_walk"] >= 1.0
 
 
 def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
@@ -252,7 +251,7 @@ def hit_a_rank_mid_training(tmp_path: Path, rank: int, signum: int, wait_s: floa
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     with log.open("w") as output:
         launcher = subprocess.Popen(
-            [*command, str(REPO / "examples" / "train.py"), str(recipe)],
+            [*command, "-m", "trainer", "train", str(recipe)],
             cwd=tmp_path,
             env=env,
             stdout=output,

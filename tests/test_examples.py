@@ -1,4 +1,4 @@
-"""`dflash2 prepare` and `dflash2 train` (trainer.data.prepare, trainer.training.run) in-process on a tiny recipe."""
+"""`dflash2 prepare` and `dflash2 train` (trainer/commands/prepare.py, train.py) in-process on a tiny recipe."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.data import prepare
+from trainer.commands import prepare, train
+from trainer.evaluation.report import run_summary
 from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget
-from trainer.training import run as train
 
 
 @pytest.mark.parametrize("objective", [{}, {"kd_weight": 0.5}], ids=["ce", "distillation"])
@@ -24,17 +24,19 @@ def test_prepare_then_train_reuses_the_offline_features(tmp_path, monkeypatch, c
     metrics = train.main([str(recipe)])
     out = capsys.readouterr().out
     assert "Draft checkpoint:" in out and "tau_walk" in out
-    summary = json.loads((tmp_path / "output" / "demo_summary.json").read_text())
+    summary = run_summary(tmp_path / "output")  # what the command printed, from the run's trainer_state.json
     assert summary["untrained"]["eval_tau_unary"] == 1.0  # step-0 evaluation of the untrained draft
     assert metrics["eval_loss"] == summary["trained"]["eval_loss"]
+    assert f"{'loss':<24}{summary['untrained']['eval_loss']:>12.4f}{metrics['eval_loss']:>12.4f}" in out
+    assert not (tmp_path / "output" / "demo_summary.json").exists()  # a demo file, not every run's
     assert (tmp_path / "output" / "model.safetensors").exists()
 
 
 def test_a_v1_draft_config_trains_a_dflash_v1_draft(tmp_path):
     """The recipe comparison's DFlash v1 baseline: a config without conv and selector builds the v1
     class (a DFlash2 class would give it identity convs and a no-op selector it never had)."""
+    from benchmarks.compare import DRAFT_CONFIG, v1_config
     from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
-    from trainer.evaluation.compare import DRAFT_CONFIG, v1_config
     from trainer.training.arguments import ModelArguments
 
     (tmp_path / "v1.json").write_text(json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text()))))

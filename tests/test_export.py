@@ -400,7 +400,7 @@ def test_target_dimensions_from_a_local_target(tmp_path, target):
 
 
 def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
-    from trainer.publishing import export_command as export_cli
+    from trainer.commands import export as export_cli
 
     target.model.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "checkpoint")
@@ -418,7 +418,7 @@ def test_cli_exports_a_checkpoint(tmp_path, target, draft, capsys):
 
 
 def test_cli_embeds_one_evaluation_report_per_benchmark(tmp_path, target, draft):
-    from trainer.publishing import export_command as export_cli
+    from trainer.commands import export as export_cli
 
     target.model.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "checkpoint")
@@ -506,8 +506,8 @@ def test_a_bare_checkpoints_config_is_checked_too(tmp_path, draft):
 def test_export_of_a_huge_block_size_is_refused_at_once_not_after_minutes_of_rule_20(tmp_path, target, draft, capsys):
     """The reported case: a config.json saying block_size 1000000 ran the round trip's forward for
     ten minutes. Now it is refused in one line, long before any forward."""
-    from trainer.cli import run
-    from trainer.publishing import export_command as export_cli
+    from trainer.commands import export as export_cli
+    from trainer.commands.runner import run
 
     target.model.save_pretrained(tmp_path / "target")
     checkpoint = _checkpoint_with(tmp_path / "checkpoint", draft, dflash={"block_size": 1000000})

@@ -1,6 +1,6 @@
 """Fault injection: a tiny run killed or signalled in and around its checkpoint saves, then resumed.
 
-Every scenario runs examples/train.py in a subprocess (tests/faults/train_with_fault.py), hits it
+Every scenario runs `python -m trainer train` in a subprocess (tests/faults/train_with_fault.py), hits it
 at one point, then runs the same command with `--resume_from_checkpoint true` to the same
 max_steps. The resumed run must end bit-equal to an uninterrupted one: same final weights, same
 logged losses (CPU, float32, one thread, same seed: nothing in the step is nondeterministic, so
@@ -30,7 +30,7 @@ from trainer.training.checkpoints import checkpoint_problems, list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = REPO / "tests" / "faults" / "train_with_fault.py"
-TRAIN = REPO / "examples" / "train.py"
+TRAIN = ("-m", "trainer", "train")  # `dflash2 train`, from the checkout
 RUN = {"max_steps": 6, "save_steps": 2, "save_total_limit": 2, "num_eval_samples": 0, "logging_steps": 1}
 KILLED = -signal.SIGKILL
 
@@ -86,10 +86,10 @@ def outcome(output: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, floa
 def play(root: Path, recipe: Path, scenario: Scenario | None) -> dict:
     """The uninterrupted reference (no scenario), or a faulted run followed by its resume."""
     if scenario is None:
-        return {"faulted": python(str(TRAIN), str(recipe), cwd=root), "output": root / "output"}
+        return {"faulted": python(*TRAIN, str(recipe), cwd=root), "output": root / "output"}
     faulted = python(str(FAULTS), scenario.point, str(scenario.step), str(recipe), cwd=root)
     survivors = {p.name: checkpoint_problems(p) for p in list_checkpoints(root / "output")}
-    resumed = python(str(TRAIN), str(recipe), "--resume_from_checkpoint", "true", cwd=root)
+    resumed = python(*TRAIN, str(recipe), "--resume_from_checkpoint", "true", cwd=root)
     return {"faulted": faulted, "survivors": survivors, "resumed": resumed, "output": root / "output"}
 
 
@@ -178,7 +178,7 @@ def test_a_diverged_run_saves_nothing_and_a_resume_with_another_rate_is_refused(
         tmp_path, learning_rate=10000, max_steps=8, save_steps=2, save_total_limit=1, num_eval_samples=0
     )
     output = tmp_path / "output"
-    diverged = python(str(TRAIN), str(recipe), cwd=tmp_path)
+    diverged = python(*TRAIN, str(recipe), cwd=tmp_path)
     assert diverged.returncode == 2, diverged.stderr[-3000:]
     lines = error_lines(diverged.stderr)
     step = int(re.search(r"at step (\d+):", lines[0]).group(1)) if lines else 0
@@ -191,7 +191,7 @@ def test_a_diverged_run_saves_nothing_and_a_resume_with_another_rate_is_refused(
     assert {p.name: checkpoint_problems(p) for p in list_checkpoints(output)} == {good.name: []}
     assert not (output / "model.safetensors").exists()
 
-    same = python(str(TRAIN), str(recipe), "--resume_from_checkpoint", "true", "--learning_rate", "0.005", cwd=tmp_path)
+    same = python(*TRAIN, str(recipe), "--resume_from_checkpoint", "true", "--learning_rate", "0.005", cwd=tmp_path)
     assert same.returncode == 2
     refused = error_lines(same.stderr)
     assert len(refused) == 1 and refused[0].startswith(
@@ -223,7 +223,7 @@ def small_disk(tmp_path, request):
 def test_a_really_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_last_one(tmp_path, small_disk):
     output = small_disk / "output"
     recipe = write_tiny_run(tmp_path, output_dir=str(output), save_total_limit=1, num_eval_samples=0)
-    full = python(str(TRAIN), str(recipe), cwd=tmp_path)
+    full = python(*TRAIN, str(recipe), cwd=tmp_path)
     assert full.returncode == 2, full.stderr[-3000:]
     [last] = error_lines(full.stderr)
     assert last.startswith(

@@ -30,14 +30,14 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import draft_inputs, randomize, tiny_draft
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
+from trainer.commands import train
+from trainer.commands.runner import run
 from trainer.evaluation.speculative import spec_generate
 from trainer.models import draft as draft_module
 from trainer.models.draft import FLEX_ON_CPU, check_attention_for_training, flex_forward_gap
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import build_blocks, sample_anchors
 from trainer.objective.masks import attention_masks, flex_attention_available, flex_block_mask
-from trainer.training import run as train
 
 pytestmark = pytest.mark.skipif(not flex_attention_available(), reason="flex_attention not in this torch")
 

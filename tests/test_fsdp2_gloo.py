@@ -169,10 +169,10 @@ def test_shipped_fsdp2_config_on_two_gloo_ranks_trains_resumes_exactly_and_expor
     write_tiny_run(tmp_path, **GPU_RECIPE_KEYS)
     config = shipped_config_on_cpu(tmp_path, num_processes=2, use_cpu=True)
     env = launch_environment(**{FSDP2_ON_CPU_ENV: "1"})
-    train = str(REPO / "examples" / "train.py")
+    train = ("-m", "trainer", "train")  # `accelerate launch -m trainer train RECIPE`, as the docs show
 
     whole = write_recipe(tmp_path, "whole")
-    result = succeeded(accelerate_launch(config, train, str(whole), cwd=tmp_path, env=env))
+    result = succeeded(accelerate_launch(config, *train, str(whole), cwd=tmp_path, env=env))
     assert "does not run on CPU" not in result.stderr  # FSDP2 ran: no fallback line
     assert "runs as float32" not in result.stderr  # bf16 ran
     assert (tmp_path / "whole" / "checkpoint-2" / "pytorch_model_fsdp.bin").is_file()  # FULL_STATE_DICT, FSDP
@@ -181,7 +181,7 @@ def test_shipped_fsdp2_config_on_two_gloo_ranks_trains_resumes_exactly_and_expor
     faults = str(REPO / "tests" / "faults" / "train_with_fault.py")
     stopped = accelerate_launch(config, faults, "sigterm_rank_1", "3", str(cut), cwd=tmp_path, env=env)
     assert stopped.returncode != 0 and "interrupted: stopped by SIGTERM after step 3" in stopped.stderr, stopped.stderr
-    resumed = accelerate_launch(config, train, str(cut), "--resume_from_checkpoint", "true", cwd=tmp_path, env=env)
+    resumed = accelerate_launch(config, *train, str(cut), "--resume_from_checkpoint", "true", cwd=tmp_path, env=env)
     succeeded(resumed)
 
     uninterrupted, after_resume = tmp_path / "whole", tmp_path / "cut"
@@ -201,7 +201,7 @@ def test_shipped_fsdp2_config_on_two_gloo_ranks_trains_resumes_exactly_and_expor
         tmp_path, "one", bf16=False, target_sharding="none", torch_compile=False, per_device_train_batch_size=4
     )
     single = subprocess.run(
-        [sys.executable, train, str(one)], cwd=tmp_path, env=launch_environment(), capture_output=True, text=True
+        [sys.executable, *train, str(one)], cwd=tmp_path, env=launch_environment(), capture_output=True, text=True
     )
     succeeded(single)
     reference, rehearsed = training_losses(tmp_path / "one"), training_losses(uninterrupted)
@@ -219,9 +219,7 @@ def test_two_ranks_launched_without_use_cpu_on_a_machine_without_gpu_train_as_cp
     recipe = write_tiny_run(tmp_path, use_cpu=False, num_eval_samples=0, max_steps=2)
     config = shipped_config_on_cpu(tmp_path, num_processes=2)
     result = succeeded(
-        accelerate_launch(
-            config, str(REPO / "examples" / "train.py"), str(recipe), cwd=tmp_path, env=launch_environment()
-        )
+        accelerate_launch(config, "-m", "trainer", "train", str(recipe), cwd=tmp_path, env=launch_environment())
     )
     adopted = [line for line in result.stderr.splitlines() if "launched without use_cpu" in line]
     assert adopted == [

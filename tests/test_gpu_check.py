@@ -12,7 +12,7 @@ import torch
 
 import tests.test_cuda
 from benchmarks import gpu_check
-from trainer.cli import run
+from trainer.commands.runner import run
 from trainer.plan.memory import PARTS
 from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU
 

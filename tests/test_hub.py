@@ -31,9 +31,9 @@ def run_client(script: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> sub
     return _run([sys.executable, "-c", textwrap.dedent(script), *args], hub, tmp_path)
 
 
-def run_example(name: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """An examples/ script run as users run it: `python examples/NAME ARGS`."""
-    return _run([sys.executable, str(REPO / "examples" / name), *args], hub, tmp_path)
+def run_command(name: str, hub: LoopbackHub, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """A command in a process of its own, as users run it: `python -m trainer NAME ARGS` (`dflash2 NAME`)."""
+    return _run([sys.executable, "-m", "trainer", name, *args], hub, tmp_path)
 
 
 def _run(command: list[str], hub: LoopbackHub, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -151,7 +151,7 @@ def test_export_py_push_failure_keeps_the_export_and_publish_py_retries_it(tmp_p
     export_args += ("--push-to-hub", "org/draft")
     with LoopbackHub() as hub:
         hub.state.fail_next_commit = 500
-        failed = run_example("export.py", hub, tmp_path, *export_args)
+        failed = run_command("export", hub, tmp_path, *export_args)
         assert failed.returncode != 0
         message = failed.stderr.strip().splitlines()[-1]
         assert "push to org/draft failed (" in message, message
@@ -162,7 +162,7 @@ def test_export_py_push_failure_keeps_the_export_and_publish_py_retries_it(tmp_p
         repo = hub.state.repos["org/draft"]
         assert repo.sha is None and repo.commits == [] and repo.files == {}
 
-        retried = run_example("publish.py", hub, tmp_path, str(out), "org/draft")
+        retried = run_command("publish", hub, tmp_path, str(out), "org/draft")
         assert retried.returncode == 0, retried.stderr[-3000:]
         assert len(repo.commits) == 1 and repo.files == {path.name: path.read_bytes() for path in out.iterdir()}
         assert f"published {hub.endpoint}/org/draft/commit/{repo.sha}" in retried.stdout
@@ -174,7 +174,7 @@ def test_publish_py_failure_names_the_retry_and_the_retry_publishes_one_commit(t
     command = (str(folder), "org/draft", "--private", "--commit-message", "Draft v2")
     with LoopbackHub() as hub:
         hub.state.fail_next_commit = failure
-        failed = run_example("publish.py", hub, tmp_path, *command)
+        failed = run_command("publish", hub, tmp_path, *command)
         assert failed.returncode != 0
         message = failed.stderr.strip().splitlines()[-1]
         assert "push to org/draft failed (" in message, message
@@ -183,7 +183,7 @@ def test_publish_py_failure_names_the_retry_and_the_retry_publishes_one_commit(t
         repo = hub.state.repos["org/draft"]
         assert repo.sha is None and repo.files == {}
 
-        retried = run_example("publish.py", hub, tmp_path, *command)
+        retried = run_command("publish", hub, tmp_path, *command)
         assert retried.returncode == 0, retried.stderr[-3000:]
         assert repo.private and len(repo.commits) == 1
         assert repo.files == {path.name: path.read_bytes() for path in folder.iterdir()}
@@ -284,7 +284,7 @@ def test_publish_py_refuses_a_tampered_export_before_contacting_the_hub(tmp_path
     _, folder = exported
     _edit_json(folder / "config.json", lambda c: c["dflash_config"].update(mask_token_id=c["vocab_size"]))
     with LoopbackHub() as hub:
-        refused = run_example("publish.py", hub, tmp_path, str(folder), "org/draft")
+        refused = run_command("publish", hub, tmp_path, str(folder), "org/draft")
         assert refused.returncode != 0
         assert "breaks the public checkpoint contract" in refused.stderr and "rule 9: mask_token_id" in refused.stderr
         assert hub.state.requests == [] and hub.state.repos == {}
@@ -296,7 +296,7 @@ def test_publish_py_refuses_an_export_missing_a_tensor_before_contacting_the_hub
     _, folder = exported
     _edit_tensors(folder / "model.safetensors", lambda tensors: tensors.pop("layers.0.mlp_conv.base_kernel"))
     with LoopbackHub() as hub:
-        refused = run_example("publish.py", hub, tmp_path, str(folder), "org/draft")
+        refused = run_command("publish", hub, tmp_path, str(folder), "org/draft")
         assert refused.returncode != 0
         assert "breaks the public checkpoint contract" in refused.stderr, refused.stderr
         missing = "rule 16: tensor set differs from the contract: missing ['layers.0.mlp_conv.base_kernel']"
@@ -307,7 +307,7 @@ def test_publish_py_refuses_an_export_missing_a_tensor_before_contacting_the_hub
 
 TRAIN_AND_PUSH = """
 import sys
-from trainer.training.run import main
+from trainer.commands.train import main
 main([sys.argv[1], "--push_to_hub", "true", "--hub_model_id", "org/trained", "--hub_strategy", "every_save",
       "--hub_token", sys.argv[2]])
 """

@@ -124,7 +124,7 @@ def run_train(recipe: Path, *flags: str, cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for variable in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "DFLASH2_DEBUG"):
         env.pop(variable, None)
-    command = [sys.executable, str(REPO / "examples" / "train.py"), str(recipe), *flags]
+    command = [sys.executable, "-m", "trainer", "train", str(recipe), *flags]
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
+from trainer.commands.runner import run
 from trainer.evaluation import long_context
 from trainer.evaluation.long_context import (
     fill_prompt,
@@ -117,7 +117,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def _evaluate(saved: Path, *flags: str) -> dict:
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     return evaluate.main(
         ["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--max-new-tokens", "4", *flags]
@@ -138,7 +138,7 @@ def test_cli_reports_tau_per_context_length(saved, tmp_path):
         assert entry["prompts"] == 2 and entry["prompt_tokens"] == int(length) - 4 and entry["lossless"] is True
         summary = entry["paths"]["trained/unary"]
         assert 1.0 <= summary["mean_tau"] <= 4.0 and len(summary["per_position_acceptance"]) == 3
-    from trainer.evaluation.evaluate_command import LONG_CONTEXT_REPORT, report_file
+    from trainer.commands.evaluate import LONG_CONTEXT_REPORT, report_file
 
     assert "| trained/unary |" in report_file(output, "md", LONG_CONTEXT_REPORT).read_text()
 
@@ -179,7 +179,7 @@ def _prompts(tmp_path: Path) -> Path:
     ],
 )
 def test_cli_refuses_bad_lengths_before_loading(flags, message, capsys):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     with pytest.raises(SystemExit) as stop:
         run(evaluate.main, ["--target", "never-loaded", "--draft", "never-loaded", *flags])
@@ -188,7 +188,7 @@ def test_cli_refuses_bad_lengths_before_loading(flags, message, capsys):
 
 
 def test_cli_refuses_a_length_past_the_window_and_a_template_without_a_switch(saved, tmp_path, capsys):
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     common = ["--target", str(saved / "target"), "--draft", str(saved / "draft"), "--output", str(tmp_path / "o")]
     with pytest.raises(SystemExit) as stop:

@@ -18,7 +18,7 @@ import torch
 
 from tests.fake_vllm_features import FakeFeatureServer
 from tests.tiny_target import tiny_tokenizer
-from trainer.cli import describe
+from trainer.console import describe
 from trainer.data.endpoint import EndpointError, EndpointSettings
 from trainer.data.engine_servers import EngineLayout, FeatureEndpointSettings
 from trainer.data.online_features import (

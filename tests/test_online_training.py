@@ -20,8 +20,8 @@ import yaml
 
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.fake_vllm_features import FakeFeatureServer
+from trainer.commands import train
 from trainer.models.target import FrozenTarget
-from trainer.training import run as train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def test_a_streamed_training_killed_with_sigkill_resumes_with_only_the_samples_i
     with FakeFeatureServer(storage, 2, target.hidden_size, hidden_of=hidden_of, hold_after=10) as server:
         killed = streamed_recipe(tmp_path, recipe, "killed", server, **whole)
         process = subprocess.Popen(
-            [sys.executable, "examples/train.py", str(killed)],
+            [sys.executable, "-m", "trainer", "train", str(killed)],
             cwd=REPO,
             env=environment,
             stdout=subprocess.DEVNULL,
@@ -162,12 +162,12 @@ def test_two_ranks_each_stream_their_own_samples_with_the_losses_of_in_process_c
     alone = {"num_eval_samples": 0, "eval_strategy": "no", "max_steps": 4}
     local = {**yaml.safe_load(recipe.read_text()), **alone, "output_dir": str(tmp_path / "in-process")}
     (tmp_path / "local.yaml").write_text(yaml.safe_dump(local))
-    torchrun(str(REPO / "examples" / "train.py"), str(tmp_path / "local.yaml"), cwd=tmp_path)
+    torchrun("-m", "trainer", "train", str(tmp_path / "local.yaml"), cwd=tmp_path)
     storage = tmp_path / "storage"
     storage.mkdir()
     with FakeFeatureServer(storage, 2, target.hidden_size, hidden_of=target_hidden_of(target, layer_ids)) as server:
         streamed = streamed_recipe(tmp_path, recipe, "streamed", server, **alone)
-        torchrun(str(REPO / "examples" / "train.py"), str(streamed), cwd=tmp_path)
+        torchrun("-m", "trainer", "train", str(streamed), cwd=tmp_path)
     assert len(server.samples) == len(set(server.samples)) >= 4 * 2 * 2  # steps x ranks x micro-batch
     reference, got = (
         logged_losses(json.loads((tmp_path / name / "trainer_state.json").read_text())["log_history"])
@@ -180,7 +180,7 @@ def test_two_ranks_each_stream_their_own_samples_with_the_losses_of_in_process_c
 def test_prepare_of_a_streamed_recipe_tokenizes_and_asks_no_server(tiny, tmp_path: Path, capsys):
     """Nothing is stored for a streamed run: `dflash2 prepare` builds its token samples and says the
     features come while training (the endpoint, never contacted, may be down)."""
-    from trainer.data import prepare
+    from trainer.commands import prepare
 
     _, recipe, _, _ = tiny
     values = yaml.safe_load(recipe.read_text())

@@ -11,9 +11,9 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
+from trainer.commands import train
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import export_draft, load_trained_draft
-from trainer.training import run as train
 
 TARGET = TargetDimensions("org/tiny-target", hidden_size=32, vocab_size=53, num_layers=4)
 

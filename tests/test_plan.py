@@ -1,4 +1,4 @@
-"""The memory planner (`python -m trainer.plan`): parameter counts, parts, verdicts, bad input, and
+"""The memory planner (`dflash2 plan`): parameter counts, parts, verdicts, bad input, and
 its prediction against measured CPU training steps."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from transformers import AutoConfig
 from benchmarks.plan_check import SHAPES, plan_check
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from tests.conftest import tiny_config_kwargs
-from trainer.cli import run
+from trainer.commands.plan import main
+from trainer.commands.runner import run
 from trainer.models.target import TargetSource
 from trainer.objective.blocks import AnchorDraw, sample_anchors
-from trainer.plan.cli import main
 from trainer.plan.facts import (
     GIB,
     draft_facts,
@@ -67,7 +67,7 @@ QWEN3_8B_PARAMETERS = 8_190_735_360
 
 
 def plan_json(capsys, *argv: str | Path) -> dict:
-    """`python -m trainer.plan ... --json` in-process; stdout must be exactly one JSON object."""
+    """`dflash2 plan ... --json` in-process; stdout must be exactly one JSON object."""
     capsys.readouterr()
     main([str(arg) for arg in argv] + ["--json"])
     return json.loads(capsys.readouterr().out)
@@ -480,7 +480,7 @@ def test_mismatched_target_is_refused(capsys, tiny_recipe):
 
 def test_module_entry_point_exit_status():
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.plan", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
+        [sys.executable, "-m", "trainer", "plan", str(RECIPE_8B), "--target", "tests/fixtures/targets/missing"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.cli import run
+from trainer.commands.configure import main as configure_main
+from trainer.commands.plan import main as plan_main
+from trainer.commands.runner import run
 from trainer.plan.anchors import anchors_for_supervised, block_coverage, supervised_bound
-from trainer.plan.cli import main as plan_main
-from trainer.plan.configure import main as configure_main
 from trainer.plan.facts import GIB
 from trainer.training.arguments import parse_arguments
 

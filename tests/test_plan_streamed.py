@@ -14,10 +14,10 @@ import pytest
 from transformers import AutoConfig, LlamaConfig
 
 from modeling_dflash2 import DFlash2Config
+from trainer.commands.configure import main as configure
+from trainer.commands.plan import main
 from trainer.data.engine_features import engine_feature_command
 from trainer.plan import fit_check
-from trainer.plan.cli import main
-from trainer.plan.configure import main as configure
 from trainer.plan.facts import GIB, draft_facts, run_facts, target_facts
 from trainer.plan.memory import MemoryPlan, capture_bytes, step_shape, streamed_feature_bytes
 from trainer.training.arguments import parse_arguments
@@ -210,11 +210,11 @@ def test_the_documented_two_node_commands_are_the_ones_the_code_builds(deepseek_
     serving = shlex.join(engine_feature_command("deepseek-ai/DeepSeek-V3", layer_ids, STORAGE, tensor_parallel=8))
     assert serving in text
     training = (
-        "accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py my-drafts/deepseek-v3.yaml "
+        "accelerate launch --config_file examples/accelerate/fsdp2.yaml -m trainer train my-drafts/deepseek-v3.yaml "
         f"--feature_endpoint {ENDPOINT} --feature_storage_path {STORAGE} --offline false"
     )
     assert training in text
-    arguments = parse_arguments([str(RECIPE_8B), *shlex.split(training)[6:]])  # the flags parse as a run's
+    arguments = parse_arguments([str(RECIPE_8B), *shlex.split(training)[8:]])  # the flags parse as a run's
     assert arguments[1].feature_endpoint == [ENDPOINT] and arguments[1].feature_storage_path == [STORAGE]
 
 

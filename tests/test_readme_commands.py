@@ -1,5 +1,5 @@
-"""Every `dflash2 ...`, `python examples/...` and `python -m benchmarks...` command the docs show runs
-as written.
+"""Every `dflash2 ...`, `python -m trainer ...` and `python -m benchmarks...` command the docs show
+runs as written.
 
 A reader copies these lines from a fresh clone, where only `trainer/` and `modeling_dflash2/` are
 installed (`pip install -e .`, which also installs the `dflash2` script) and PYTHONPATH is unset: a
@@ -8,9 +8,9 @@ flag. `dflash2` lines run the installed console script itself. Each command runs
 appended, so the script imports everything and parses its arguments, then prints its usage and
 exits 0 without doing the work; placeholders (RECIPE, my-recipe.yaml, OUTPUT) need not exist.
 
-`accelerate launch ... examples/train.py` lines are not run: the launcher spawns workers of the
-same `examples/train.py`, whose own `python examples/train.py` lines are covered here, and adds
-nothing a `--help` could check. `make` targets do the work itself and are left to CI.
+`accelerate launch ... -m trainer train` lines are not run here: the launcher spawns workers of
+`python -m trainer train`, which is `dflash2 train`, covered here; tests/test_commands.py launches
+one for real. `make` targets do the work itself and are left to CI.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ README = REPO / "README.md"
 DOCUMENTS = (README, *sorted(path for path in (REPO / "docs").iterdir() if path.suffix == README.suffix))
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")  # a code span may wrap onto the next prose line
-PREFIXES = ("dflash2 ", "python examples/", "python -m benchmarks.")
+PREFIXES = ("dflash2 ", "python -m trainer ", "python -m benchmarks.")
 SCRIPT = Path(sys.executable).with_name("dflash2")  # the console script next to the interpreter
 TIMEOUT_S = 120  # a --help imports torch and transformers: seconds, not minutes
 
@@ -116,28 +116,28 @@ def help_runs() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
 
 def test_the_extraction_joins_continuations_and_drops_comments_prompts_and_elisions():
     text = (
-        "Run `python examples/evaluate.py ... --compare-untrained` or `make demo`, or\n"
-        "`python examples/tau_gap.py --target T\n--draft D`.\n"
+        "Run `python -m trainer evaluate ... --compare-untrained` or `make demo`, or\n"
+        "`dflash2 tau-gap --target T\n--draft D`.\n"
         "```bash\n"
         "# a comment line\n"
-        "python examples/export.py CKPT OUT \\\n"
+        "python -m trainer export CKPT OUT \\\n"
         "    --target T --push-to-hub org/name   # B - 1\n"
         "$ python -m benchmarks.run --device cuda\n"
         "python -m trainer.plan RECIPE\n"
         "dflash2 evaluate --draft D [--max-samples N]   # real decoding\n"
-        "accelerate launch --config_file x.yaml examples/train.py my-recipe.yaml\n"
-        "python examples/publish.py OUT org/name [--private] [--revision BRANCH]\n"
+        "accelerate launch --config_file x.yaml -m trainer train my-recipe.yaml\n"
+        "dflash2 publish OUT org/name [--private] [--revision BRANCH]\n"
         "vllm serve T --speculative-config '{\"num_speculative_tokens\": 15}  # not a comment'\n"
         "```\n"
     )
     commands = [command_argv(line) for line in (*fenced_lines(text), *inline_spans(text))]
     assert [argv for argv in commands if argv is not None] == [
-        ["python", "examples/export.py", "CKPT", "OUT", "--target", "T", "--push-to-hub", "org/name"],
+        ["python", "-m", "trainer", "export", "CKPT", "OUT", "--target", "T", "--push-to-hub", "org/name"],
         ["python", "-m", "benchmarks.run", "--device", "cuda"],
         ["dflash2", "evaluate", "--draft", "D", "--max-samples", "N"],
-        ["python", "examples/publish.py", "OUT", "org/name", "--private", "--revision", "BRANCH"],
-        ["python", "examples/evaluate.py", "--compare-untrained"],
-        ["python", "examples/tau_gap.py", "--target", "T", "--draft", "D"],
+        ["dflash2", "publish", "OUT", "org/name", "--private", "--revision", "BRANCH"],
+        ["python", "-m", "trainer", "evaluate", "--compare-untrained"],
+        ["dflash2", "tau-gap", "--target", "T", "--draft", "D"],
     ]
 
 
@@ -145,8 +145,8 @@ def test_the_docs_show_the_commands_a_fresh_clone_must_run():
     """The extraction still finds what the docs show: a README edit or a broken parser would
     otherwise leave the run below with nothing to check."""
     scripts = {argv[2] if argv[1] == "-m" else argv[1] for argv in COMMANDS if len(argv) > 1}
-    assert {"configure", "plan", "prepare", "train", "evaluate", "export", "publish", "tau-gap", "compare"} <= scripts
-    assert {"benchmarks.run", "benchmarks.gpu_check"} <= scripts
+    assert {"configure", "plan", "prepare", "train", "evaluate", "export", "publish", "tau-gap"} <= scripts
+    assert {"benchmarks.run", "benchmarks.gpu_check", "benchmarks.compare"} <= scripts
     assert ("dflash2", "prepare", "my-recipe.yaml", "--regenerate-only") in COMMANDS
 
 

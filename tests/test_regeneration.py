@@ -252,7 +252,7 @@ def test_prepare_regenerates_through_the_endpoint_with_the_tokenizer_alone_and_t
     target, tmp_path, monkeypatch
 ):
     from tests.distributed.tiny_setup import write_tiny_run
-    from trainer.data import prepare
+    from trainer.commands import prepare
     from trainer.data.dataset import build_datasets
     from trainer.models.target import FrozenTarget
     from trainer.training.arguments import parse_arguments
@@ -419,8 +419,8 @@ def test_every_malformed_body_is_an_endpoint_error_naming_the_url(target, tmp_pa
 
 def test_a_trickling_server_is_cut_off_by_the_whole_request_deadline(target, tmp_path, capsys):
     from tests.distributed.tiny_setup import write_tiny_run
-    from trainer.cli import run
-    from trainer.data import prepare
+    from trainer.commands import prepare
+    from trainer.commands.runner import run
 
     recipe = write_tiny_run(tmp_path, regenerate=True, max_new_tokens=6, generation_batch_size=1)
     with LoopbackOpenAI(target) as server:

@@ -21,15 +21,17 @@ import yaml
 from transformers import AutoConfig
 
 from modeling_dflash2 import DFlash2Config
-from trainer.cli import run
+from trainer.commands import configure
+from trainer.commands import rehearse as command
+from trainer.commands.runner import run
 from trainer.data.chat import tokenize_chat
-from trainer.plan import configure
-from trainer.rehearsal import command
+from trainer.rehearsal import run as rehearsal_run
 from trainer.rehearsal.architecture import stand_in_tokenizer, tiny_draft_values, tiny_target_config
 from trainer.rehearsal.data import shortest
 from trainer.rehearsal.launch import failure_line
 from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU, gpu_only_keys
 from trainer.rehearsal.recipe import rewrite_recipe
+from trainer.rehearsal.run import Rehearsal
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("dflash2")
@@ -332,10 +334,10 @@ def test_a_failed_launch_shows_a_rank_s_own_line():
 def test_the_memory_plan_fails_only_against_a_known_launch(flags, verdict, tmp_path, monkeypatch, capsys):
     """Without an accelerate config the GPU launch is unknown: one GPU is a guess, so not fitting
     there is said, not failed; against the given config and GPU size it is a real verdict."""
-    monkeypatch.setattr(command, "default_accelerate_config", lambda: None)
+    monkeypatch.setattr(rehearsal_run, "default_accelerate_config", lambda: None)
     recipe = "examples/recipes/qwen3-8b-fsdp2.yaml"
     argv = [recipe, "--target", str(TARGETS / "qwen3-8b"), "--output", str(tmp_path / "rehearsal"), *flags]
-    rehearsal = command.Rehearsal(command.parse(argv))
+    rehearsal = Rehearsal(command.parse(argv))
     rehearsal.read_target()
     rehearsal.checks.run("memory plan", rehearsal.memory_plan)
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check memory plan: ")]

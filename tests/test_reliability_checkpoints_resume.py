@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.cli import run
-from trainer.training import run as train
+from trainer.commands import train
+from trainer.commands.runner import run
 from trainer.training.checkpoints import MANIFEST, checkpoint_problems, list_checkpoints
 
 

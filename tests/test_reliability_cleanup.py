@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from tests.tiny_target import tiny_target
 from trainer import locks
-from trainer.cli import run
+from trainer.commands.plan import main as plan_main
+from trainer.commands.runner import run
 from trainer.locks import FolderInUseError, FolderLock
 from trainer.models.target import TargetSource, _load_gguf_through_cache, converted_gguf_path
-from trainer.plan.cli import main as plan_main
 from trainer.plan.facts import read_accelerate_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from modeling_dflash2.configuration_dflash2 import MIN_SELECTOR_TOP_K, softcap_value
 from tests.conftest import FIXTURES, load_fixture_json, tiny_config_kwargs, tiny_dflash_config, tiny_v1_draft
 from tests.distributed.tiny_setup import write_tiny_run
-from trainer.cli import run
+from trainer.commands import train
+from trainer.commands.runner import run
 from trainer.models.config_bounds import bounds_violations, parameter_count
 from trainer.publishing.contract import (
     ExportValidationError,
@@ -34,7 +35,6 @@ from trainer.publishing.contract import (
 )
 from trainer.publishing.draft_gate import check_draft_for_target, load_draft_config
 from trainer.publishing.export import export_draft, load_trained_draft
-from trainer.training import run as train
 
 TARGET = TargetDimensions("org/tiny", hidden_size=32, vocab_size=50, num_layers=6)
 

@@ -15,13 +15,12 @@ import yaml
 from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
-from trainer.data import prepare
+from trainer.commands import prepare, train
+from trainer.commands.runner import run
 from trainer.models.target import FrozenTarget
 from trainer.plan import fit_check
 from trainer.plan.facts import GIB, launched_accelerate_config
 from trainer.plan.memory import plan_run
-from trainer.training import run as train
 from trainer.training.arguments import parse_arguments
 
 ABSURD_ANCHORS = 1_000_000_000

@@ -18,8 +18,8 @@ import yaml
 from benchmarks.openai_loopback import LoopbackOpenAI
 from tests import test_reliability_gate
 from tests.tiny_target import tiny_target
-from trainer.cli import run
 from trainer.commands import COMMANDS, UNKNOWN_KEPT
+from trainer.commands.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 INTERRUPTED = 128 + signal.SIGINT
@@ -54,7 +54,7 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_status_130(name, capsys):
 
 
 def test_ctrl_c_in_another_main_and_on_other_ranks(capsys, monkeypatch):
-    import trainer.cli as cli
+    import trainer.commands.runner as cli
 
     slept: list[float] = []
     monkeypatch.setattr(cli.time, "sleep", slept.append)
@@ -100,7 +100,7 @@ def start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Stderr]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("DFLASH2_DEBUG", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.commands", *args],
+        [sys.executable, "-m", "trainer", *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -22,11 +22,12 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.distributed.tiny_setup import write_tiny_run
 from tests.faults.train_with_fault import AtStep
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
+from trainer.commands import train
+from trainer.commands.runner import run
 from trainer.evaluation import report as report_module
 from trainer.locks import RUN_LOCK_NAME, lock_run_folder
 from trainer.training import output_dir as output_dir_module
-from trainer.training import run as train
+from trainer.training import run as training_run
 from trainer.training.checkpoints import checkpoint_problems, clean_leftovers, list_checkpoints, write_manifest
 from trainer.training.output_dir import OutputDirInUseError, check_fresh_start, check_output_dir, remove_run
 
@@ -82,7 +83,7 @@ def test_a_second_run_on_a_finished_run_is_refused_and_the_first_stays_whole(fin
         error = refused([str(recipe), *flags], capsys)
         assert error == (
             f"error: output_dir {output} holds another run's results (checkpoint-2, checkpoint-4, config.json, "
-            "demo_summary.json, … 4 more): continue it with --resume_from_checkpoint true, replace them with "
+            "dflash2_recipe.json, … 3 more): continue it with --resume_from_checkpoint true, replace them with "
             "--overwrite_output_dir true, or choose another output_dir"
         )
     after = tree(output)
@@ -191,12 +192,12 @@ def test_a_signal_names_the_checkpoint_it_saved_and_that_checkpoint_exists(tmp_p
     train.main([str(recipe)])
     output = tmp_path / "output"
 
-    class Signalled(train.DFlash2Trainer):  # SIGTERM while step 3 is computed, as a scheduler sends it
+    class Signalled(training_run.DFlash2Trainer):  # SIGTERM while step 3 is computed, as a scheduler sends it
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.add_callback(AtStep(3, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
 
-    monkeypatch.setattr(train, "DFlash2Trainer", Signalled)
+    monkeypatch.setattr(training_run, "DFlash2Trainer", Signalled)
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     flags = ["--resume_from_checkpoint", str(output / "checkpoint-2"), "--save_total_limit", "1"]
     capsys.readouterr()
@@ -235,7 +236,7 @@ def test_the_message_falls_back_to_the_newest_checkpoint_when_the_saved_one_is_g
     newest.mkdir()
     (newest / "trainer_state.json").write_text("{}")
     write_manifest(newest, 4)
-    message = str(train.interruption(Stub))
+    message = str(training_run.interruption(Stub))
     assert message == (
         f"stopped by SIGTERM after step 1: saved a complete checkpoint at {newest}; run the same command with "
         "--resume_from_checkpoint true and --overwrite_output_dir false to continue"
@@ -331,7 +332,7 @@ def two_drafts_of_one_name(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_two_drafts_of_one_folder_name_get_their_own_reports(tmp_path, monkeypatch, capsys):
     """Before: both reports went to outputs/evaluate/my-export/custom, the second over the first."""
-    from trainer.evaluation import evaluate_command as evaluate
+    from trainer.commands import evaluate
 
     monkeypatch.chdir(tmp_path)
     target = tiny_target()

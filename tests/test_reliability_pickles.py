@@ -21,12 +21,12 @@ from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.test_warm_start import zlab_dflash2_dir
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
+from trainer.commands import export as export_command
+from trainer.commands.runner import run
 from trainer.fileio import DiskFullError
 from trainer.models.loading import load_draft
 from trainer.models.target import FrozenTarget
 from trainer.models.warm_start import warm_start
-from trainer.publishing import export_command
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import RECIPE_FILE, export_draft, load_trained_draft, training_record
 

@@ -12,8 +12,8 @@ import pytest
 from modeling_dflash2 import DFlash2DraftModel
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
-from trainer.cli import run
-from trainer.publishing import publish_command
+from trainer.commands import publish as publish_command
+from trainer.commands.runner import run
 from trainer.publishing.contract import ExportValidationError, TargetDimensions
 from trainer.publishing.export import EXPORT_FILES, export_draft
 from trainer.publishing.hub import publish, validate_export_folder

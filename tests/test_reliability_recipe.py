@@ -78,8 +78,8 @@ def test_a_url_with_credentials_is_refused_without_echoing_it(tmp_path, recipe, 
     ],
 )
 def test_any_command_refuses_a_flag_with_credentials_naming_it(argv, label, capsys):
-    from trainer.cli import run
-    from trainer.evaluation import evaluate_command
+    from trainer.commands import evaluate as evaluate_command
+    from trainer.commands.runner import run
 
     with pytest.raises(SystemExit) as exited:
         run(evaluate_command.main, argv)

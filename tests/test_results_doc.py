@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import cpu_doc, demo, demo_doc, doc_parts, results_doc
-from trainer.cli import run
+from trainer.commands.runner import run
 
 
 def test_committed_documents_are_what_the_committed_json_renders():
@@ -274,7 +274,6 @@ def fake_run(folder: Path) -> Path:
     run_dir = folder / "run"
     (run_dir / "speculative" / "heldout").mkdir(parents=True)
     metrics = {"eval_loss": 3.0, "eval_accuracy": 0.4, "eval_tau_unary": 2.5, "eval_tau_walk": 3.0}
-    (run_dir / "demo_summary.json").write_text(json.dumps({"untrained": {"eval_loss": 50.0}, "trained": metrics}))
     history = [
         {"step": 0, "eval_loss": 50.0, "eval_runtime": 2.0},
         {"step": 0, "eval_spec_tau": 1.0},
@@ -282,7 +281,7 @@ def fake_run(folder: Path) -> Path:
         {"step": 10, "eval_loss": 3.0, "eval_runtime": 4.0},
         {"step": 10, "eval_spec_tau": 1.5},
         {"step": 10, "train_runtime": 30.0},
-        {"step": 10, "eval_loss": 3.0, "eval_runtime": 3.0},  # the summary's evaluation after training
+        {"step": 10, **metrics, "eval_runtime": 3.0},  # the summary's evaluation after training
         {"step": 0, "eval_spec_tau": 1.0},
     ]
     (run_dir / "trainer_state.json").write_text(json.dumps({"global_step": 10, "log_history": history}))
@@ -417,7 +416,7 @@ def test_a_demo_run_times_the_makefile_commands_then_the_tau_gap_and_collects(tm
     output = tmp_path / "demo.json"
     result = demo.main(["--run", str(tmp_path / "run"), "--output", str(output)])
     relative = demo.os.path.relpath(tmp_path / "run", demo.REPO)
-    assert ran == [*demo.makefile_commands(), *demo.tau_gap_commands(".venv/bin/python", relative)]
+    assert ran == [*demo.makefile_commands(), *demo.tau_gap_commands(".venv/bin/dflash2", relative)]
     assert ran[-1].endswith(f"--max-samples 30 --max-new-tokens 48 --output {relative}/speculative/tau_gap_30x48.json")
     assert json.loads(output.read_text()) == result
     assert result["ran_commands"] is True and result["cache"] == "empty"

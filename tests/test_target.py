@@ -302,8 +302,8 @@ def test_the_trainer_refuses_fsdp_sharding_with_paths_that_run_the_target_uneven
 
 
 def test_train_script_refuses_the_combination_before_loading_anything(tmp_path, capsys):
-    from trainer.cli import USER_ERROR_STATUS, run
-    from trainer.training import run as train
+    from trainer.commands import train
+    from trainer.commands.runner import USER_ERROR_STATUS, run
 
     recipe = write_tiny_run(tmp_path, target=str(tmp_path / "not-there"), target_sharding="fsdp", spec_eval_prompts=3)
     capsys.readouterr()

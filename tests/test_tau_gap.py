@@ -173,14 +173,16 @@ def test_report_pools_the_paths_and_renders_a_table(pair):
 
 
 def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, monkeypatch):
-    from trainer.evaluation import tau_gap_command as tau_gap
+    from trainer.commands import tau_gap
 
     target, draft = pair
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
     (tmp_path / "draft" / "dflash2_recipe.json").write_text(json.dumps({"format": "dflash2-hub recipe"}))  # a run
-    (tmp_path / "draft" / "demo_summary.json").write_text(json.dumps({"trained": {"eval_tau_walk": 2.5}}))
+    final_evaluation = {"step": 4, "eval_loss": 1.0, "eval_tau_walk": 2.5}  # the run's record of its last evaluation
+    state = {"global_step": 4, "log_history": [final_evaluation]}
+    (tmp_path / "draft" / "trainer_state.json").write_text(json.dumps(state))
     report = tau_gap.main(
         [
             *("--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")),
@@ -193,7 +195,8 @@ def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, mon
     assert written["training_eval"] == {"walk": 2.5}
     assert "| selector (walk) |" in capsys.readouterr().out
     # an exported or downloaded draft is never written into: its report goes under outputs/evaluate
-    (tmp_path / "draft" / "dflash2_recipe.json").unlink()
+    for run_file in ("dflash2_recipe.json", "trainer_state.json"):  # an export holds neither
+        (tmp_path / "draft" / run_file).unlink()
     monkeypatch.chdir(tmp_path)
     before = sorted(path.name for path in (tmp_path / "draft").rglob("*"))
     exported = tau_gap.main(
@@ -203,5 +206,5 @@ def test_cli_writes_the_report_into_the_training_run(pair, tmp_path, capsys, mon
         ]
     )
     assert sorted(path.name for path in (tmp_path / "draft").rglob("*")) == before
-    assert "training_eval" not in exported  # a summary is read only from a run this project wrote
+    assert "training_eval" not in exported  # no training record: no training evaluation shown
     assert (tmp_path / "outputs" / "evaluate" / "draft" / "tau_gap.json").is_file()

@@ -140,7 +140,8 @@ def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(
     weights, so a warm-started draft reaches the Trainer exactly as the float32 source computed it."""
     from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
     from tests.distributed.tiny_setup import write_tiny_run
-    from trainer.training import run as train
+    from trainer.commands import train
+    from trainer.training import run as training_run
     from trainer.training.arguments import parse_arguments
 
     recipe = write_tiny_run(tmp_path, init_from=str(tmp_path / "source"), max_steps=1, num_eval_samples=0)
@@ -150,12 +151,12 @@ def test_train_py_warm_starts_in_float32_whatever_dtype_the_config_file_records(
     source.save_pretrained(tmp_path / "source")
     received = {}
 
-    class Recording(train.DFlash2Trainer):
+    class Recording(training_run.DFlash2Trainer):
         def __init__(self, model, *args, **kwargs):
             received.update({name: tensor.detach().clone() for name, tensor in model.state_dict().items()})
             super().__init__(model, *args, **kwargs)
 
-    monkeypatch.setattr(train, "DFlash2Trainer", Recording)
+    monkeypatch.setattr(training_run, "DFlash2Trainer", Recording)
     train.main([str(recipe)])
     assert received.keys() == source.state_dict().keys()
     for name, tensor in source.state_dict().items():

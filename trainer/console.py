@@ -1,7 +1,8 @@
-"""The terminal the commands share: the flag and exit status of the one-line error convention, and
-closing open progress bars so such a line does not land after (or get redrawn over) one. Its own
-module, importing nothing heavy, because the torch-free dispatcher (`trainer.commands`), the error
-convention (`trainer.cli`) and the lost-rank report (`trainer.training.watchdog`) all use it."""
+"""The terminal the commands share: the flag and exit status of the one-line error convention, an
+error's one line (`describe`), and closing open progress bars so such a line does not land after (or
+get redrawn over) one. A leaf module, importing nothing heavy, apart from `trainer.commands` because
+the libraries use it too: the lost-rank report (`trainer.training.watchdog`), the feature store's
+worker errors and the rehearsal's check lines, none of which may import the commands."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def worker_error_text(message: str) -> str:
         name, separator, text = last.partition(": ")
         return text if separator and name.replace(".", "").replace("_", "").isalnum() else last
     return message
+
+
+def describe(error: BaseException) -> str:
+    """The message, or the exception's name when it has none (`FileNotFoundError` from a bare raise)."""
+    message = worker_error_text(str(error)).strip()  # an error of a data-loader process: its own line
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
+        message = f"{message}: {error.filename}"
+    return message or type(error).__name__

@@ -2,7 +2,7 @@
 bench-engines`): one epoch of `dflash2 train` over the same token samples with the features
 (1) captured in process by the whole target, (2) read from an offline store the vLLM server wrote
 beforehand, and (3) streamed from the vLLM server while training at several `feature_prefetch`
-depths. Each run is a fresh process (`dflash2 train` through `trainer.training.run.main`) with its
+depths. Each run is a fresh process (`dflash2 train` through `trainer.commands.train.main`) with its
 own cache; what is compared is the trainer's own `train_runtime` (the epoch, data waits included,
 start-up excluded) as supervised tokens per second, the peak RSS of the trainer's main process
 (`process_memory.peak_rss_kib`), and for the streamed runs the peak bytes of server files on disk (the storage folder
@@ -37,8 +37,8 @@ HIDE_SHARE = 0.9  # a depth hides the engine once its tokens/s reach this share 
 TRAIN_AND_MEASURE = (
     "import json, sys\n"
     "from benchmarks.process_memory import peak_rss_kib\n"
-    "from trainer.training import run\n"
-    "run.main(sys.argv[1:])\n"
+    "from trainer.commands import train\n"
+    "train.main(sys.argv[1:])\n"
     "print(json.dumps({'peak_rss_kib': peak_rss_kib()}))\n"
 )
 
@@ -172,7 +172,7 @@ def micro_batch_latency(recipe_path: Path, count: int = 8) -> float:
 def prepare(recipe_path: Path) -> float:
     """`dflash2 prepare` (the offline store, through the server): its wall seconds."""
     started = time.perf_counter()
-    run_here(["examples/prepare.py", str(recipe_path)])
+    run_here(["-m", "trainer", "prepare", str(recipe_path)])
     return time.perf_counter() - started
 
 

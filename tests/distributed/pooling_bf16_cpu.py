@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trainer.objective.loss as loss_module
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.commands.train import main
 from trainer.training.cpu_fsdp import FSDP2_ON_CPU_ENV
-from trainer.training.run import main
 from trainer.training.trainer import DFlash2Trainer
 
 CAPTURES: list[dict[str, Any]] = []

@@ -1,4 +1,4 @@
-"""Test-only: a user error on some ranks of a 2-process launch, through `trainer.cli.run`.
+"""Test-only: a user error on some ranks of a 2-process launch, through `trainer.commands.runner.run`.
 
 Usage: torchrun --nproc_per_node 2 tests/distributed/rank_error_cli.py MODE
 MODE `all`: every rank refuses the same value at once. MODE `rank1`: only rank 1 refuses; rank 0
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainer.cli import run
+from trainer.commands.runner import run
 
 WORK_S = 60.0
 

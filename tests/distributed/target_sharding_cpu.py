@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trainer.training.run as train_script
 from tests.distributed.tiny_setup import write_tiny_run
+from trainer.commands import train as train_command
 from trainer.training.distributed import close_process_group
 from trainer.training.trainer import DFlash2Trainer
 
@@ -60,7 +61,7 @@ if __name__ == "__main__":
     for mode in ("none", "fsdp"):
         train_script.close_process_group = release_keeping_the_group if mode == "none" else close_process_group
         output = root / f"output-{mode}"
-        train_script.main([str(root / "recipe.yaml"), "--target_sharding", mode, "--output_dir", str(output)])
+        train_command.main([str(root / "recipe.yaml"), "--target_sharding", mode, "--output_dir", str(output)])
         trainer = TRAINERS.pop()
         local, whole = trainer.target.decoder_layer_bytes()
         results[mode] = {

@@ -1,7 +1,7 @@
 """A DFlash2 draft trained and exported by dflash2-hub, served by a real vLLM as its speculator.
 
 The module trains a draft briefly on the demo recipe (a few dozen steps: enough for a mean
-acceptance length clearly above 1), exports it with `examples/export.py`, and starts one vLLM
+acceptance length clearly above 1), exports it with `dflash2 export`, and starts one vLLM
 server with the target and that export (`--speculative-config` method "dflash", with
 `num_speculative_tokens` = block_size - 1: vLLM sizes the DFlash2 convolutions' block from
 `1 + num_speculative_tokens`). Then:
@@ -84,13 +84,13 @@ def draft_export(engine_root: Path) -> Path:
     if os.environ.get("DFLASH2_VLLM_DRAFT_EXPORT"):
         return Path(os.environ["DFLASH2_VLLM_DRAFT_EXPORT"])
     run, export = engine_root / "draft-run", engine_root / "draft-export"
-    train = [sys.executable, "examples/train.py", str(RECIPE), "--output_dir", str(run)]
+    train = [sys.executable, "-m", "trainer", "train", str(RECIPE), "--output_dir", str(run)]
     train += ["--max_steps", str(TRAIN_STEPS), "--learning_rate", LEARNING_RATE, "--kd_weight", "0"]
     train += ["--num_eval_samples", "0", "--eval_strategy", '"no"', "--spec_eval_prompts", "0"]
     train += ["--save_steps", "100000", "--report_to", "none"]
     run_logged(train, engine_root / "draft-train.log")
     run_logged(
-        [sys.executable, "examples/export.py", str(run), str(export), "--target", TARGET],
+        [sys.executable, "-m", "trainer", "export", str(run), str(export), "--target", TARGET],
         engine_root / "draft-export.log",
     )
     return export

@@ -188,11 +188,11 @@ def training_recipe(tmp_path: Path, name: str, **keys) -> Path:
     return path
 
 
-def run_example(script: str, recipe: Path) -> str:
-    """`python examples/<script> RECIPE` from the repository, PYTHONPATH unset; its stdout."""
+def run_command(name: str, recipe: Path) -> str:
+    """`python -m trainer NAME RECIPE` (`dflash2 NAME`) from the repository, PYTHONPATH unset; its stdout."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run(
-        [sys.executable, f"examples/{script}", str(recipe)], cwd=REPO, env=environment, capture_output=True, text=True
+        [sys.executable, "-m", "trainer", name, str(recipe)], cwd=REPO, env=environment, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -211,12 +211,12 @@ def test_prepare_then_train_from_engine_features_matches_in_process(feature_serv
         feature_model=SERVED_NAME,
         feature_storage_path=str(feature_server.storage),
     )
-    assert "prepared 24 training" in run_example("prepare.py", engine)
+    assert "prepared 24 training" in run_command("prepare", engine)
     stores = list((tmp_path / "cache-engine" / "features").glob(f"*/{FEATURE_INDEX}"))
     assert len(stores) == 1  # written by prepare through vLLM; train.py below reuses it
-    run_example("train.py", engine)
+    run_command("train", engine)
     local = training_recipe(tmp_path, "local")
-    run_example("train.py", local)  # captures in process
+    run_command("train", local)  # captures in process
     engine_losses, local_losses = training_losses(engine), training_losses(local)
     assert len(engine_losses) == len(local_losses) == 4
     # features equal to ~1e-6 relative give the same losses to well within 1e-4

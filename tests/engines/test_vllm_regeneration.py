@@ -44,10 +44,10 @@ def completion_requests(log: Path) -> int:
 
 
 def run_prepare(recipe: Path, *flags: str) -> subprocess.Popen:
-    """`python examples/prepare.py RECIPE --regenerate-only` from the repository, PYTHONPATH unset."""
+    """`python -m trainer prepare RECIPE --regenerate-only` from the repository, PYTHONPATH unset."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     return subprocess.Popen(
-        [sys.executable, "examples/prepare.py", str(recipe), "--regenerate-only", *flags],
+        [sys.executable, "-m", "trainer", "prepare", str(recipe), "--regenerate-only", *flags],
         cwd=REPO,
         env=environment,
         stdout=subprocess.PIPE,

@@ -46,10 +46,10 @@ def streamed_keys(*servers) -> dict:
 
 
 def training(recipe: Path, *flags: str, **popen) -> subprocess.Popen:
-    """`examples/train.py RECIPE FLAGS` started from the repository, PYTHONPATH unset."""
+    """`python -m trainer train RECIPE FLAGS` started from the repository, PYTHONPATH unset."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     return subprocess.Popen(
-        [sys.executable, "examples/train.py", str(recipe), *flags], cwd=REPO, env=environment, **popen
+        [sys.executable, "-m", "trainer", "train", str(recipe), *flags], cwd=REPO, env=environment, **popen
     )
 
 

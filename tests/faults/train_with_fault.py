@@ -1,4 +1,4 @@
-"""Test-only: run `dflash2 train` (trainer.training.run) and hit it with a fault at a named point of a named step.
+"""Test-only: run `dflash2 train` (trainer.commands.train) and hit it with a fault at a named point of a named step.
 
 Usage: python tests/faults/train_with_fault.py POINT STEP RECIPE [--key value ...]
 
@@ -25,7 +25,8 @@ from transformers import TrainerCallback, TrainerState
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trainer.training.run as train_script
-from trainer.cli import run
+from trainer.commands import train as train_command
+from trainer.commands.runner import run
 from trainer.training.checkpoints import MANIFEST, STAGING_PREFIX, TRASH_PREFIX
 
 
@@ -159,4 +160,4 @@ def install(point: str, step: int) -> None:
 
 if __name__ == "__main__":
     install(sys.argv[1], int(sys.argv[2]))
-    run(train_script.main, sys.argv[3:])
+    run(train_command.main, sys.argv[3:])

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback
 
 from modeling_dflash2 import DFlashDraftModel
+from trainer.data.dataset import THINKING_GROUPS
 from trainer.evaluation.speculative import SpeculativeResult, spec_generate, target_generate
 from trainer.fileio import digest
 
@@ -149,11 +150,14 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
 # What a training run folder of this project holds (trainer.training.trainer writes both); an exported or
 # downloaded draft holds neither.
 TRAINING_RUN_FILES = ("dflash2_recipe.json", "trainer_state.json")
+STATE_FILE = "trainer_state.json"
 EVALUATE_ROOT = Path("outputs") / "evaluate"
-SUMMARY_FILE = "demo_summary.json"
-MAX_SUMMARY_BYTES = 1 << 20
 MAX_REPORT_BYTES = 64 << 20  # a tau_gap.json holds per-anchor lengths: larger than a speculative report
+MAX_STATE_BYTES = 256 << 20  # trainer_state.json grows by one log entry per logging step
 REPORT_DRAFT_KEY = "draft"  # each report records the draft it measured (draft_identity)
+# the held-out metrics a training summary shows; a held-out set mixing thinking on and off: each mode's too
+SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
+SUMMARY_KEYS += tuple(f"eval_{group}_{metric}" for group in THINKING_GROUPS for metric in ("tau_unary", "tau_walk"))
 
 
 def is_training_run(draft: str | Path) -> bool:
@@ -162,20 +166,38 @@ def is_training_run(draft: str | Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in TRAINING_RUN_FILES)
 
 
-def training_summary(draft: str) -> dict[str, float] | None:
-    """The teacher-forced metrics train.py wrote into its run (demo_summary.json), read as JSON only
-    from a training run folder; anything else there (too large, not the summary's shape) is skipped."""
-    summary_file = Path(draft).expanduser() / SUMMARY_FILE
-    if not is_training_run(draft) or not summary_file.is_file() or summary_file.stat().st_size > MAX_SUMMARY_BYTES:
+def run_summary(run_dir: str | Path) -> dict[str, dict[str, float]] | None:
+    """A run's held-out teacher-forced metrics before (the evaluation at step 0) and after training
+    (the evaluation at the step its weights are from), read from its trainer_state.json: the record
+    every run (and checkpoint-N) already writes, so no summary file of its own is needed. None when
+    there is no such file or it is not a trainer state (read as JSON only, size-limited)."""
+    state_file = Path(run_dir).expanduser() / STATE_FILE
+    if not state_file.is_file() or state_file.stat().st_size > MAX_STATE_BYTES:
         return None
     try:
-        trained = json.loads(summary_file.read_bytes()).get("trained")
-    except (ValueError, AttributeError):
-        trained = None
-    if not isinstance(trained, dict) or not all(isinstance(value, (int, float)) for value in trained.values()):
-        logger.warning("%s is not a training summary (no 'trained' metrics); not shown.", summary_file)
+        state = json.loads(state_file.read_bytes())
+    except (ValueError, RecursionError):
+        state = None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        logger.warning("%s is not a trainer state (no log_history); its metrics are not shown.", state_file)
         return None
-    return trained
+    evaluations = [log for log in history if isinstance(log, dict) and "eval_loss" in log]
+    before = evaluations[0] if evaluations and evaluations[0].get("step") == 0 else {}
+    after = evaluations[-1] if evaluations and evaluations[-1].get("step") == state.get("global_step") else {}
+    return {"untrained": summary_metrics(before), "trained": summary_metrics(after)}
+
+
+def summary_metrics(log: dict[str, Any]) -> dict[str, float]:
+    """The summary's metrics of one evaluation's log entry (numbers only)."""
+    return {key: log[key] for key in SUMMARY_KEYS if isinstance(log.get(key), (int, float))}
+
+
+def training_summary(draft: str) -> dict[str, float] | None:
+    """The teacher-forced metrics training measured at the draft's own step (`run_summary`), for a
+    training run folder; None for anything else or when no evaluation ran at that step."""
+    summary = run_summary(draft) if is_training_run(draft) else None
+    return (summary or {}).get("trained") or None
 
 
 def draft_identity(draft: str | Path) -> dict[str, str]:

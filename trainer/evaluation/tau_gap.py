@@ -260,7 +260,7 @@ def tau_gap_report(
 ) -> dict[str, Any]:
     """(a) real τ, (b) teacher-forced τ at the anchors decoding visited and how often it equals the
     real length, (c) teacher-forced τ at every valid anchor of the same sequences, per path, and
-    (d) the training evaluation's teacher-forced τ from `training_summary` (demo_summary.json)."""
+    (d) the training evaluation's teacher-forced τ from `training_summary` (the run's trainer_state.json)."""
     if getattr(draft, "candidate_selector", None) is None:
         paths = [path for path in paths if path == "unary"]
     report: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "paths": {}}

@@ -3,7 +3,7 @@ refuse is refused with the export's own rule and message before any work is lost
 rules as the config is read (`load_draft_config`), the rules that need the target once it is loaded
 (`check_draft_for_target`). `dflash2 train`, `plan`, `prepare` and the rehearsal read the draft here.
 
-A DFlash v1 config trains (it is `dflash2 compare`'s baseline) with a warning that it cannot be
+A DFlash v1 config trains (it is `make compare`'s baseline) with a warning that it cannot be
 exported, and is refused up front only when the run would end by pushing it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trainer.publishing.contract import RULE_22_V1, check_exportable_draft
 logger = logging.getLogger(__name__)
 
 V1_TRAINS = (
-    "%s is a DFlash v1 draft: it trains (as the baseline of dflash2 compare) and dflash2 evaluate reads it, "
+    "%s is a DFlash v1 draft: it trains (as the baseline of make compare) and dflash2 evaluate reads it, "
     "but export and push_to_hub refuse it (docs/contract.md rule 22)"
 )
 V1_PUSH = "; push_to_hub would fail after training: unset push_to_hub, or train a DFlash2 draft_config"

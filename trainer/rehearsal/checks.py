@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from trainer.cli import describe
+from trainer.console import describe
 
 OK, FAILED, NOT_CHECKED = "ok", "FAILED", "not checked here"
 # how close the resumed run must come to the uninterrupted one (same ranks, same gloo reductions: the

@@ -1,4 +1,4 @@
-"""Argument dataclasses of `dflash2 train` (and `examples/train.py`) and YAML recipes.
+"""Argument dataclasses of `dflash2 train` (also `accelerate launch -m trainer train`) and YAML recipes.
 
 A recipe is a flat YAML mapping whose keys are fields of `ModelArguments`, `DataArguments` and
 `DFlashTrainingArguments` (a `transformers.TrainingArguments`); `--key value` flags after the

@@ -1,78 +1,37 @@
-"""`dflash2 train RECIPE [--key value ...]`: train a DFlash2 draft on a recipe.
-
-With no arguments it runs the embedded default recipe (examples/recipes/smollm2-135m-chitchat.yaml):
-SmolLM2-135M-Instruct as the target, chitchat prompts answered by the target, CPU-sized settings.
-On several GPUs: `accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train.py
-RECIPE` (the script calls this module's `main`). SIGTERM / SIGINT save a checkpoint and exit with
-128 + the signal; `--resume_from_checkpoint true` continues from the newest complete checkpoint.
-`--debug` shows tracebacks of user errors. `--help` lists every recipe key.
+"""`train_run`: one training run of a DFlash2 draft from parsed recipe arguments (`dflash2 train`,
+trainer/commands/train.py, parses the recipe and calls it): target, draft, datasets, `DFlash2Trainer`,
+then the final evaluation and the saved draft. The preflight checks the command makes before it
+takes the run folder's lock live here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import transformers
-from transformers import HfArgumentParser
 
-from trainer.data.dataset import THINKING_GROUPS, DFlashCollator, build_datasets, cache_root_of
+from trainer.data.dataset import DFlashCollator, build_datasets, cache_root_of
 from trainer.data.online_features import configure_streamed_run, streams_engine_features
 from trainer.data.packing import PackedDataset
-from trainer.fileio import default_cache_root, write_file_atomically
+from trainer.fileio import default_cache_root
 from trainer.locks import lock_run_folder
-from trainer.models.draft import build_draft, check_attention_for_training
+from trainer.models.draft import build_draft
 from trainer.models.target import FrozenTarget, check_target_sharding
 from trainer.models.target_head import TargetHead
 from trainer.plan.fit_check import check_run_fits
 from trainer.publishing.draft_gate import check_draft_for_target, load_draft_config
-from trainer.recipe_files import DEFAULT_RECIPE
-from trainer.training.arguments import ARGUMENT_CLASSES, parse_arguments
 from trainer.training.checkpoints import list_checkpoints, newest_complete_checkpoint
-from trainer.training.distributed import adopt_cpu_ranks, close_process_group
-from trainer.training.output_dir import check_output_dir, check_sources, remove_run
+from trainer.training.distributed import close_process_group
+from trainer.training.output_dir import check_sources, remove_run
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.trainer import DFlash2Trainer
 from trainer.training.watchdog import start_watchdog
 
 logger = logging.getLogger(__name__)
-
-SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
-# a held-out set that mixes thinking on and off: each mode's acceptance too
-SUMMARY_KEYS += tuple(f"eval_{group}_{metric}" for group in THINKING_GROUPS for metric in ("tau_unary", "tau_walk"))
-
-
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Train on the recipe (or the embedded default) and return the final held-out metrics."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print_recipe_help("dflash2 train", __doc__)
-    model_args, data_args, training_args = parse_arguments(argv, DEFAULT_RECIPE)
-    adopt_cpu_ranks(training_args)  # several processes, no GPU, no use_cpu: CPU ranks, before the rank-0 lock
-    check_attention_for_training(model_args.attn_implementation, training_args.device)  # flex: no CPU backward
-    check_output_sources(model_args, data_args, training_args)  # before the lock creates output_dir
-    with run_folder_lock(training_args):
-        if training_args.process_index == 0:  # the lock holder: nobody else can add results meanwhile
-            check_output_dir(
-                Path(training_args.output_dir),
-                training_args.resume_from_checkpoint,
-                training_args.overwrite_output_dir,
-            )
-        return train_run(model_args, data_args, training_args)
-
-
-def print_recipe_help(prog: str, doc: str | None) -> NoReturn:
-    """A recipe command's `--help`: its docstring, then every recipe key (the fields of the argument
-    dataclasses, as HfArgumentParser lists them), each also accepted as a `--key value` flag."""
-    print(doc)
-    HfArgumentParser(ARGUMENT_CLASSES, prog=prog, usage=f"{prog} [RECIPE.yaml] [--key value ...]").print_help()
-    raise SystemExit(0)
 
 
 def run_folder_lock(training_args) -> contextlib.AbstractContextManager:
@@ -194,27 +153,5 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     after = trainer.evaluate() if eval_dataset is not None else {}
     trainer.save_model()  # after the final evaluation, so a push carries its numbers
     trainer.save_state()
-    evaluations = [log for log in trainer.state.log_history if "eval_loss" in log]
-    before = evaluations[0] if evaluations and evaluations[0].get("step") == 0 else {}
-    if trainer.is_world_process_zero():
-        summary = {
-            "checkpoint": str(Path(training_args.output_dir).resolve()),
-            "untrained": {key: before[key] for key in SUMMARY_KEYS if key in before},
-            "trained": {key: after[key] for key in SUMMARY_KEYS if key in after},
-        }
-        summary_file = Path(training_args.output_dir) / "demo_summary.json"
-        write_file_atomically(summary_file, lambda temporary: temporary.write_text(json.dumps(summary, indent=2)))
-        print_summary(summary)
     close_process_group(trainer)
     return after
-
-
-def print_summary(summary: dict) -> None:
-    print(f"\nDraft checkpoint: {summary['checkpoint']}")
-    print("Held-out teacher-forced metrics (eval anchors at every valid position):")
-    print(f"  {'metric':<24}{'untrained':>12}{'trained':>12}")
-    for key in SUMMARY_KEYS:
-        if key in summary["trained"]:
-            before = summary["untrained"].get(key, float("nan"))
-            print(f"  {key[5:]:<24}{before:>12.4f}{summary['trained'][key]:>12.4f}")
-    print("  tau_unary: acceptance length of the unary argmax; tau_walk: of the selector's own greedy walk.")

@@ -14,7 +14,7 @@ is gone, ends this rank: the lowest surviving rank prints one line naming the lo
 peer on this host is killed (it could not act on the launcher's SIGTERM, which would hold the job for
 the launcher's 30 s kill timeout) and the rank leaves with `os._exit` (the main thread is stuck in a
 collective, so nothing else could end it). A collective that fails in the main thread because a
-peer's connection closed is turned into the same kind of line by `watched_run` (see `trainer.cli`).
+peer's connection closed is turned into the same kind of line by `watched_run` (see `trainer.commands.runner`).
 
 The heartbeat shows the process is alive, not that it makes progress: a live rank whose main thread
 hangs is left to the process-group timeout. Ranks that finish (`close_process_group`) or stop on an

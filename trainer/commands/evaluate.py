@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.data.chat import end_of_turn_ids, template_kwargs
 from trainer.evaluation.long_context import (
     THINKING_MODES,

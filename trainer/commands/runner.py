@@ -1,4 +1,5 @@
-"""The command-line scripts' front door: a user's mistake is one line on stderr, not a traceback.
+"""The one error runner of every command (`run`) and the parser they share (`command_parser`): a
+user's mistake is one line on stderr, not a traceback.
 
 Errors a user can fix (a refused recipe value, a missing file, a broken contract rule, a Hub
 refusal) print `error: <message>` and exit with status 2; `--debug` anywhere on the command line,
@@ -25,7 +26,7 @@ from typing import Any, NoReturn
 import yaml
 
 from trainer.commands import kept_on_interrupt
-from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars, worker_error_text
+from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars, describe
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.recipe_types import refuse_argv_credentials
 from trainer.training.watchdog import watched_run
@@ -121,14 +122,6 @@ def module_of(main: Callable) -> str:
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         module = spec.name if spec is not None else module
     return module
-
-
-def describe(error: BaseException) -> str:
-    """The message, or the exception's name when it has none (`FileNotFoundError` from a bare raise)."""
-    message = worker_error_text(str(error)).strip()  # an error of a data-loader process: its own line
-    if isinstance(error, OSError) and error.filename and str(error.filename) not in message:
-        message = f"{message}: {error.filename}"
-    return message or type(error).__name__
 
 
 class CommandParser(argparse.ArgumentParser):

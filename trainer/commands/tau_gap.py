@@ -7,7 +7,7 @@ Decodes the held-out chat prompts greedily along the selector and the unary path
 `dflash2 evaluate` does), then scores the very sequences decoding produced with the training
 objective: (a) real τ, (b) teacher-forced τ at the anchors decoding visited and how often it gives
 the real acceptance length, (c) teacher-forced τ at every valid anchor of the same sequences, and
-(d) the training evaluation's τ from <draft>/demo_summary.json when it exists. Prints a Markdown
+(d) the training evaluation's τ from <draft>/trainer_state.json when it records one. Prints a Markdown
 table and writes the report (with per-anchor lengths) to <draft>/speculative/tau_gap.json for a
 training run, else outputs/evaluate/<draft name>/tau_gap.json (an exported draft is never written into);
 like `dflash2 evaluate`, it never replaces another draft's report.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.data.chat import end_of_turn_ids
 from trainer.evaluation.prompt_sets import DEFAULT_MAX_PROMPT_LENGTH, benchmark_texts, select_prompts
 from trainer.evaluation.report import REPORT_DRAFT_KEY, check_report_path, default_report_folder, training_summary

@@ -1,10 +1,13 @@
-"""`dflash2 COMMAND ...`: the one front door to every step, from configuring a draft to publishing it.
+"""`dflash2 COMMAND ...` (and `python -m trainer COMMAND ...`): the one front door to every step,
+from configuring a draft to publishing it.
 
-A module of its own, apart from the commands it dispatches to and from `trainer.cli`, because the
-dispatcher must stay cheap: `dflash2 --help`, an unknown command or a misplaced flag is answered
-from this table alone, before torch is imported (`trainer.cli` and every command import it, about
-8 s). Each command is imported only when it runs, and then goes through `trainer.cli.run`, the
-project's one error convention. The examples/ scripts call the same `main` functions.
+This package holds every command: one module each (`trainer/commands/<name>.py`, its argument
+parsing and its `main(argv)`), the error runner they all go through (`runner.run`, the project's one
+error convention) and, here, the table of commands. The concern packages (data, training,
+evaluation, plan, publishing, rehearsal) are libraries without a `main`. This module imports
+nothing heavy, because the dispatcher must stay cheap: `dflash2 --help`, an unknown command or a
+misplaced flag is answered from this table alone, before torch is imported (the runner and every
+command import it, about 8 s). Each command is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ PROG = "dflash2"
 @dataclass(frozen=True)
 class Command:
     """A subcommand: the module whose `main(argv)` runs it, its line in `dflash2 --help`, and what
-    its Ctrl-C line says was kept (`trainer.cli.run`)."""
+    its Ctrl-C line says was kept (`runner.run`)."""
 
     module: str
     summary: str
@@ -33,58 +36,53 @@ class Command:
 RERUN = "run the same command again"
 COMMANDS: dict[str, Command] = {
     "configure": Command(
-        "trainer.plan.configure",
+        "trainer.commands.configure",
         "write a draft config and a starter recipe for any causal LM",
         f"nothing was written (the draft config and recipe are written whole at the end); {RERUN}",
     ),
     "plan": Command(
-        "trainer.plan.cli",
+        "trainer.commands.plan",
         "per-rank memory of a training run, from the recipe and configs alone",
         "nothing was written (plan only reads)",
     ),
     "rehearse": Command(
-        "trainer.rehearsal.command",
+        "trainer.commands.rehearse",
         "run a recipe here at tiny widths, as its GPU run will: every check, and what only a GPU shows",
         "the rehearsal's workspace (printed first) keeps what finished; nothing of the recipe's own was written; "
         f"{RERUN}",
     ),
     "prepare": Command(
-        "trainer.data.prepare",
+        "trainer.commands.prepare",
         "answer the prompts and capture target features ahead of training",
         f"the answers finished so far (the cache's journal) and complete feature stores are kept; {RERUN} "
         "to continue from them",
     ),
     "train": Command(
-        "trainer.training.run",
+        "trainer.commands.train",
         "train a draft on a recipe (no recipe: the embedded default)",
         "complete checkpoints in output_dir and the cache's finished answers and features are kept; "
         f"{RERUN} to continue (with --resume_from_checkpoint true if a checkpoint was saved)",
     ),
     "evaluate": Command(
-        "trainer.evaluation.evaluate_command",
+        "trainer.commands.evaluate",
         "real speculative decoding: τ, acceptance, speed-up",
         f"no report was written (it is written when decoding ends); {RERUN}",
     ),
     "export": Command(
-        "trainer.publishing.export_command",
+        "trainer.commands.export",
         "a checkpoint to a publishable folder (and the Hub)",
         "an export folder is written whole, then renamed, and a Hub push is one commit: neither was left "
         f"half-written; {RERUN}",
     ),
     "publish": Command(
-        "trainer.publishing.publish_command",
+        "trainer.commands.publish",
         "push an existing export folder to the Hub",
         f"the upload is one commit, so the Hub repo is unchanged unless it had completed; {RERUN}",
     ),
     "tau-gap": Command(
-        "trainer.evaluation.tau_gap_command",
+        "trainer.commands.tau_gap",
         "teacher-forced τ at the anchors real decoding visited",
         f"no report was written (it is written at the end); {RERUN}",
-    ),
-    "compare": Command(
-        "trainer.evaluation.compare",
-        "the equal-budget recipe comparison on the demo target",
-        f"finished stages (each run's summary and reports) are kept; {RERUN} to continue from them",
     ),
 }
 # the Ctrl-C line of a `main` that is none of the commands' (e.g. a test's)
@@ -113,7 +111,7 @@ def usage() -> str:
 
 
 def refuse(message: str) -> NoReturn:
-    """trainer.cli's convention for a user error: one line on stderr, exit status 2."""
+    """The runner's convention for a user error: one line on stderr, exit status 2."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(USER_ERROR_STATUS)
 
@@ -142,7 +140,7 @@ def split_command(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """`dflash2 COMMAND ARGS`: run the command's `main(ARGS)` through `trainer.cli.run`."""
+    """`dflash2 COMMAND ARGS`: run the command's `main(ARGS)` through `runner.run`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         name, rest = split_command(argv)
@@ -154,11 +152,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         command = find_command(name)
     except ValueError as error:
         refuse(str(error))
-    from trainer.cli import run
+    from trainer.commands.runner import run
 
     module = importlib.import_module(command.module)
     run(module.main, rest)
-
-
-if __name__ == "__main__":
-    main()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.fileio import read_json_object
 from trainer.models.config_bounds import MAX_CONFIG_BYTES
 from trainer.models.target import target_dimensions

@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.plan.facts import GIB, accelerate_world_size, read_accelerate_config
 from trainer.plan.memory import MemoryPlan, plan_run
 from trainer.training.arguments import parse_arguments

@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from trainer.commands.train import print_recipe_help
 from trainer.data.dataset import build_datasets, token_datasets
 from trainer.data.online_features import streams_engine_features
 from trainer.models.target import FrozenTarget, TargetTokenizer
@@ -24,7 +25,6 @@ from trainer.plan.fit_check import check_target_fits
 from trainer.publishing.draft_gate import load_draft_config
 from trainer.recipe_files import DEFAULT_RECIPE
 from trainer.training.arguments import parse_arguments
-from trainer.training.run import print_recipe_help
 
 REGENERATE_ONLY = "--regenerate-only"
 REGENERATE_ONLY_HELP = f"  {REGENERATE_ONLY}  stop after the answers (the recipe must set regenerate: true)"

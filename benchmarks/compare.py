@@ -1,7 +1,9 @@
-"""`dflash2 compare`: equal-budget comparison of draft recipes on the demo target, by real decoding.
+"""`make compare`: equal-budget comparison of draft recipes on the demo target, by real decoding.
 
-dflash2 compare                                         # every recipe, seeds 0 1 2 (about 2 hours on 2 CPU cores)
-dflash2 compare --recipes dflash2-ce dflash2-kd --seeds 0
+python -m benchmarks.compare                            # every recipe, seeds 0 1 2 (about 2 hours on 2 CPU cores)
+python -m benchmarks.compare --recipes dflash2-ce dflash2-kd --seeds 0
+
+A research experiment, so it lives with the benchmarks rather than in the `dflash2` command.
 
 Every recipe trains from the embedded default (examples/recipes/smollm2-135m-chitchat.yaml: same
 data, same 300 steps, same batch and anchors) and differs only in what RECIPES names:
@@ -18,19 +20,14 @@ path: the selector walk for DFlash2, the unary argmax for v1). A finished run ke
 <run>/comparison_run.json and is not repeated, so an interrupted comparison resumes where it stopped. The table (mean ±
 sample standard deviation over seeds; s / step is wall-clock on the machine as loaded, GFLOP / step
 the deterministic cost of one step at the demo's shape) goes to <output>/comparison.{md,json},
-with the verdict against the default recipe.
-
-The GFLOP column is counted only where `benchmarks/` is importable (a repository checkout, which
-this command needs anyway for the demo recipe and draft config): the FLOP model is the benchmarks'
-own, kept next to the measured op counts that validate it, and a second copy in the library would
-drift from it. Elsewhere the column reads n/a and the rest of the table is unchanged.
+with the verdict against the default recipe. The GFLOP column is the benchmarks' own FLOP model
+(benchmarks/flops.py), kept next to the measured op counts that validate it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import logging
 import statistics
@@ -40,7 +37,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.cli import command_parser
+from benchmarks.flops import step_flops
+from benchmarks.setups import smollm2_setup, synthetic_batch
+from modeling_dflash2 import DFlash2Config
+from trainer.commands.runner import command_parser, run
+from trainer.evaluation.report import run_summary
 from trainer.fileio import read_json_object, write_file_atomically
 from trainer.recipe_files import DEFAULT_RECIPE as BASE_RECIPE
 from trainer.recipe_files import REPO
@@ -94,7 +95,7 @@ def train_command(recipe: str, seed: int, run_dir: Path, draft_config: Path) -> 
         str(run_dir),
         "--draft_config",
         str(draft_config),
-        "--overwrite_output_dir",  # an unfinished stage (no demo_summary.json) starts over in its own folder
+        "--overwrite_output_dir",  # an unfinished stage (no final trainer_state.json) starts over in its own folder
         "true",
         *QUIET_TRAINING,
         *RECIPES[recipe]["flags"],
@@ -117,7 +118,9 @@ def served_path(report: dict[str, Any]) -> str:
 
 def run_numbers(run_dir: Path) -> dict[str, float]:
     """One finished run's figures, read from what `dflash2 train` and `dflash2 evaluate` wrote."""
-    summary = read_json_object(run_dir / "demo_summary.json")["trained"]
+    summary = (run_summary(run_dir) or {}).get("trained")
+    if not summary:
+        raise RuntimeError(f"{run_dir}: trainer_state.json records no evaluation at the run's last step")
     state = read_json_object(run_dir / "trainer_state.json")
     history = state["log_history"]
     # train_runtime includes the evaluation at step 0; its own runtime is taken out
@@ -151,7 +154,8 @@ def run_one(recipe: str, seed: int, output: Path) -> dict[str, float]:
         draft_config = run_dir.parent / "draft_config.json"
         text = json.dumps(v1_config(json.loads(DRAFT_CONFIG.read_text())), indent=2)
         write_file_atomically(draft_config, lambda temporary: temporary.write_text(text))
-    stages = [(run_dir / "demo_summary.json", train_command(recipe, seed, run_dir, draft_config))]
+    # trainer_state.json in the run folder is written once, after the final evaluation
+    stages = [(run_dir / "trainer_state.json", train_command(recipe, seed, run_dir, draft_config))]
     for benchmark in ("heldout", "humaneval"):
         report = run_dir / "speculative" / benchmark / "speculative_report.json"
         stages.append((report, evaluate_command(run_dir, benchmark)))
@@ -166,24 +170,9 @@ def run_one(recipe: str, seed: int, output: Path) -> dict[str, float]:
     return numbers
 
 
-def benchmarks_importable() -> bool:
-    """Whether the FLOP counter of `benchmarks/` can be imported: from a repository checkout only
-    (it is not an installed package), put on sys.path here when this package runs from one."""
-    if importlib.util.find_spec("benchmarks") is None and (REPO / "benchmarks" / "flops.py").is_file():
-        sys.path.insert(0, str(REPO))
-    return importlib.util.find_spec("benchmarks") is not None
-
-
-def step_gflops(recipe: str) -> float | None:
+def step_gflops(recipe: str) -> float:
     """Model GFLOP of one training step at the demo's step shape (benchmarks' SmolLM2 setup: 4 rows
-    of 160 tokens, 16 anchors): the machine-independent cost of a recipe's step; None without
-    `benchmarks/` (see the module docstring)."""
-    if not benchmarks_importable():
-        return None
-    from benchmarks.flops import step_flops
-    from benchmarks.setups import smollm2_setup, synthetic_batch
-    from modeling_dflash2 import DFlash2Config
-
+    of 160 tokens, 16 anchors): the machine-independent cost of a recipe's step."""
     setup = smollm2_setup()
     if RECIPES[recipe]["v1"]:
         setup = dataclasses.replace(setup, config=DFlash2Config(**v1_config(json.loads(DRAFT_CONFIG.read_text()))))
@@ -263,7 +252,7 @@ def comparison_file(output: Path, kind: str) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = command_parser("dflash2 compare", __doc__)
+    parser = command_parser("python -m benchmarks.compare", __doc__)
     parser.add_argument("--recipes", nargs="+", choices=tuple(RECIPES), default=list(RECIPES), help="default: all")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="default: 0 1 2")
     parser.add_argument("--output", default="outputs/compare", help="runs and the table (default outputs/compare)")
@@ -281,12 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             results[recipe][seed] = run_one(recipe, seed, output)
     table = aggregate(results)
     for recipe, row in table.items():
-        gflops = step_gflops(recipe)
-        if gflops is not None:
-            row["gflop_per_step"] = gflops
+        row["gflop_per_step"] = step_gflops(recipe)
     markdown = render_table(table) + "\n" + verdict(table)
     text = json.dumps({"recipes": table, "runs": results}, indent=2)
     write_file_atomically(comparison_file(output, "json"), lambda temporary: temporary.write_text(text))
     write_file_atomically(comparison_file(output, "md"), lambda temporary: temporary.write_text(markdown))
     print(markdown)
     return table
+
+
+if __name__ == "__main__":
+    run(main)

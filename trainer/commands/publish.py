@@ -14,7 +14,7 @@ import logging
 
 from huggingface_hub import CommitInfo
 
-from trainer.cli import command_parser
+from trainer.commands.runner import command_parser
 from trainer.publishing.hub import DEFAULT_COMMIT_MESSAGE, PublishError, publish, publish_command
 
 
