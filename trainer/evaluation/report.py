@@ -156,7 +156,14 @@ MAX_REPORT_BYTES = 64 << 20  # a tau_gap.json holds per-anchor lengths: larger t
 MAX_STATE_BYTES = 256 << 20  # trainer_state.json grows by one log entry per logging step
 REPORT_DRAFT_KEY = "draft"  # each report records the draft it measured (draft_identity)
 # the held-out metrics a training summary shows; a held-out set mixing thinking on and off: each mode's too
-SUMMARY_KEYS = ("eval_loss", "eval_accuracy", "eval_tau_unary", "eval_tau_walk", "eval_tau_oracle", "eval_coverage")
+SUMMARY_KEYS: tuple[str, ...] = (
+    "eval_loss",
+    "eval_accuracy",
+    "eval_tau_unary",
+    "eval_tau_walk",
+    "eval_tau_oracle",
+    "eval_coverage",
+)
 SUMMARY_KEYS += tuple(f"eval_{group}_{metric}" for group in THINKING_GROUPS for metric in ("tau_unary", "tau_walk"))
 
 
