@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The dflash2-hub authors. Shipped inside every exported checkpoint under this licence.
-"""DFlash (v1) and DFlash2 draft models: the training model and the code shipped in checkpoints.
+"""DFlash (v1) and DFlash2 draft models: the architecture, as trained and as shipped in checkpoints.
 
 A draft predicts a block `[anchor, mask, ..., mask]` in one pass. Its queries are the block tokens
 (embedded with the target's embedding); its keys/values are `[context; block]`, where the context is
@@ -8,19 +8,15 @@ A draft predicts a block `[anchor, mask, ..., mask]` in one pass. Its queries ar
 block-local grouped dynamic causal convolution and re-ranks the unary top-K candidates with a
 low-rank, predecessor-conditioned selector, computing what z-lab's reference and the servers compute.
 
-This file ships inside every checkpoint: it may import only torch, transformers and its sibling.
+The fused ops these modules call are in `ops_dflash2.py`, the decoding loop (`spec_generate`) in
+`generation_dflash2.py`, the checkpoint folder's rules in `checkpoint_dflash2.py`.
+
+This file ships inside every checkpoint: it may import only torch, transformers and its siblings.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
 import os
-import shutil
-import tempfile
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, eager_attention_forward
 
+from .checkpoint_dflash2 import CODEBOOK_KEY_MAPPING, check_loaded_tensors, write_remote_code
 from .configuration_dflash2 import (
     DFLASH2_ARCHITECTURE,
     DFLASH_V1_ARCHITECTURE,
@@ -43,15 +40,19 @@ from .configuration_dflash2 import (
     DFlashSettings,
     resolve_dflash_settings,
 )
+from .generation_dflash2 import BlockProposals, SamplingSettings, SpeculativeDecodingMixin
+from .ops_dflash2 import (
+    FLEX_CPU_NO_BACKWARD,
+    apply_rotary,
+    block_visibility,
+    cast_to,
+    flex_block_mask_from_dense,
+    grouped_dynamic_causal_conv,
+    grouped_sdpa_forward,
+    rms_norm,
+    unfused_flex_forward,
+)
 
-logger = logging.getLogger(__name__)
-
-# z-lab's reference loader holds the codebooks as nn.Embedding and therefore writes `.weight` names;
-# the servers and this model use the bare names of the public contract.
-CODEBOOK_KEY_MAPPING = {
-    r"^candidate_selector\.(predecessor|successor)_codebook\.weight$": r"candidate_selector.\1_codebook",
-}
-REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py")
 MaskLike = Any  # bool/float tensor, flex BlockMask, or {layer_type: either}
 
 
@@ -70,23 +71,13 @@ def unary_transform(logits: torch.Tensor, output_multiplier: float, softcap: flo
     return logits
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor.to(dtype)` without an op when it already has that dtype."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-def _as_float(tensor: torch.Tensor) -> torch.Tensor:
-    """At least fp32, without a cast op when it already is (every op is a kernel launch)."""
-    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
-
-
 def apply_output_head(hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
     """The target's LM head, given as a module (`lm_head`) or as its weight matrix [V, H]. Outside
     autocast the hidden states take the head's dtype, so a draft and a target loaded in different
     dtypes still decode together."""
     weight = output_head if isinstance(output_head, torch.Tensor) else getattr(output_head, "weight", None)
     if weight is not None and not torch.is_autocast_enabled(hidden.device.type):
-        hidden = _cast(hidden, weight.dtype)
+        hidden = cast_to(hidden, weight.dtype)
     if isinstance(output_head, torch.Tensor):
         return F.linear(hidden, output_head)
     return output_head(hidden)
@@ -97,37 +88,8 @@ def apply_output_head(hidden: torch.Tensor, output_head: nn.Module | torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """Qwen3's RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)` with x in fp32, with a
-    hand-written backward: the same forward bits in a third of autograd's kernel launches."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        values = _as_float(hidden)
-        inverse_rms = (values * values).sum(-1, keepdim=True).div_(values.shape[-1]).add_(eps).rsqrt_()
-        normed = values * inverse_rms
-        ctx.save_for_backward(normed, inverse_rms, weight)
-        ctx.input_dtype = hidden.dtype
-        return weight * _cast(normed, hidden.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        normed, inverse_rms, weight = ctx.saved_tensors
-        grad = _as_float(grad_output)
-        grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = _cast((grad * normed).flatten(0, -2).sum(0), weight.dtype)
-        if ctx.needs_input_grad[0]:
-            # d/dx of normed . g = rsqrt(ms + eps) * (g - normed * mean(g * normed))
-            grad_normed = grad * _as_float(weight)
-            projection = (grad_normed * normed).sum(-1, keepdim=True)
-            grad_normed.addcmul_(normed, projection, value=-1.0 / normed.shape[-1]).mul_(inverse_rms)
-            grad_hidden = _cast(grad_normed, ctx.input_dtype)
-        return grad_hidden, grad_weight, None
-
-
 class DFlashRMSNorm(nn.Module):
-    """RMSNorm with Qwen3's semantics and parameter name (`weight`), computed by `_RMSNormFunction`."""
+    """RMSNorm with Qwen3's semantics and parameter name (`weight`), computed by `ops_dflash2.rms_norm`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -135,14 +97,14 @@ class DFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 # ---------------------------------------------------------------------------------------------
-# RoPE and attention visibility
+# RoPE
 # ---------------------------------------------------------------------------------------------
 
 
@@ -171,48 +133,8 @@ class DFlashRotaryEmbedding(nn.Module):
             return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [x2, x1] on the last axis: rotate-half without its sign (one flip, no cat)."""
-    return tensor.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-
-
-def apply_rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate [b, heads, len, d] queries and keys (x cos + rotate_half(x) sin, exactly); the
-    queries take the last `q_len` positions. `cos`, `sin` as `DFlashRotaryEmbedding` returns them."""
-    q_len = query.shape[-2]
-    query = query * cos[..., -q_len:, :] + swap_halves(query) * sin[..., -q_len:, :]
-    key = key * cos + swap_halves(key) * sin
-    return query, key
-
-
-def block_visibility(
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
-    causal: bool,
-    sliding_window: int | None,
-) -> torch.Tensor | None:
-    """Visibility of keys for one block of queries, as the Reference serves it.
-
-    `query_positions` [b, q], `key_positions` [b, kv]. Causal: `k <= q`; sliding: `q - k < W` and,
-    when not causal, also `k - q < W`. Returns a bool mask [b, 1, q, kv], or None if all is visible.
-    """
-    if not causal and sliding_window is None:
-        return None
-    delta = query_positions[:, :, None] - key_positions[:, None, :]
-    visible = torch.ones_like(delta, dtype=torch.bool)
-    if causal:
-        visible &= delta >= 0
-    if sliding_window is not None:
-        visible &= delta < sliding_window
-        if not causal:
-            visible &= -delta < sliding_window
-    return visible[:, None]
-
-
 # ---------------------------------------------------------------------------------------------
-# Attention and decoder layer
+# Attention
 # ---------------------------------------------------------------------------------------------
 
 
@@ -331,168 +253,9 @@ class DFlashAttention(nn.Module):
         return mask
 
 
-FLEX_CPU_NO_BACKWARD = (
-    "attn_implementation='flex_attention' runs on CPU without gradients only (torch has no CPU backward "
-    "for flex_attention): use 'sdpa' or 'eager' to train on CPU, or call the draft under torch.no_grad()."
-)
-
-
-def flex_block_mask_from_dense(mask: torch.Tensor, batch: int) -> Any:
-    """A bool visibility mask [b or 1, 1, q, kv] as a flex_attention BlockMask, so flex always gets
-    a BlockMask (as from the trainer's masks), which also skips the blocks it hides.
-
-    transformers' flex path would add a tensor mask inside a score_mod indexing it as
-    `mask[b][0][q][kv]`; torch 2.13's compiled CPU kernel reads out of bounds there (a crash, or
-    "index out of bounds" from the generated C++), at any length.
-    """
-    if mask.dtype != torch.bool:
-        raise ValueError(
-            "attn_implementation='flex_attention' takes a bool attention mask or a flex BlockMask, "
-            f"not a {mask.dtype} (additive) mask."
-        )
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    visible = mask.expand(batch, 1, *mask.shape[-2:])
-
-    def mask_mod(batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
-        return visible[batch_idx, 0, q_idx, kv_idx]
-
-    q_len, kv_len = visible.shape[-2:]
-    return create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=mask.device)
-
-
-def unfused_flex_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """flex_attention on CPU, outside torch.compile: torch's unfused implementation of the same
-    BlockMask (or None), exact to sdpa at any length.
-
-    CPU flex is for evaluating and decoding (no backward), where the shapes change from call to
-    call; torch 2.13's compiled CPU kernel fails to build once it recompiles for dynamic shapes
-    (C++ "'cur_kvSplitSize5' was not declared"), so a run could stop mid-evaluation.
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    with warnings.catch_warnings():  # "called without torch.compile": on purpose, see above
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        output = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2), None
-
-
-def grouped_sdpa_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """sdpa on CPU with the grouped key/value heads passed as they are (`enable_gqa`).
-
-    transformers' sdpa path repeats them whenever a mask is given, because CUDA's masked kernels
-    need that; CPU's kernel takes them directly: the same values, without the copies.
-    """
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return output.transpose(1, 2), None
-
-
-def grouped_dynamic_causal_conv(
-    hidden: torch.Tensor, base_kernel: torch.Tensor, dynamic_kernel: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """`out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group]) * hidden[t - o, c]`, block-local.
-
-    hidden [b, L, H]; base_kernel [k, H]; dynamic_kernel [b, L, k, G] with G groups of H // G
-    channels. A tap reaching before the start of t's own block reads zero, so blocks packed side by
-    side never see each other. Accumulates in fp32.
-
-    A sequence shorter than the block is one short block (the last block of a generation, which
-    z-lab's decoding loop drafts with fewer slots): the same causal taps over the slots present.
-    Several blocks must all be whole.
-    """
-    length = hidden.shape[1]
-    if length > block_size and length % block_size != 0:
-        raise ValueError(
-            f"DFlash2 convolution: sequence length {length} is not a multiple of the block size {block_size}; "
-            "packed blocks must be whole (only a single block may be shorter)."
-        )
-    return _GroupedDynamicCausalConv.apply(hidden, base_kernel, dynamic_kernel, block_size)
-
-
-@functools.lru_cache(maxsize=32)
-def _cached_conv_taps(length: int, block_size: int, kernel_size: int, device: torch.device):
-    return _conv_taps(length, block_size, kernel_size, device)
-
-
-def _conv_taps(
-    length: int, block_size: int, kernel_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each tap reads: source rows [L * k] (row t - o for tap o of row t) and whether the tap
-    stays inside t's block [L, k, 1, 1] (a tap that would cross the block start reads zero)."""
-    rows = torch.arange(length, device=device)
-    offsets = torch.arange(kernel_size, device=device)
-    inside = (rows % block_size)[:, None] >= offsets
-    sources = torch.where(inside, rows[:, None] - offsets, rows[:, None])
-    return sources.reshape(-1), inside.float()[..., None, None]
-
-
-def conv_taps(length: int, block_size: int, kernel_size: int, device: torch.device):
-    """`_conv_taps`, cached in eager mode (they depend on shapes only); traced when compiling."""
-    if torch.compiler.is_compiling():
-        return _conv_taps(length, block_size, kernel_size, device)
-    return _cached_conv_taps(length, block_size, kernel_size, device)
-
-
-def _conv_kernel(base_kernel, dynamic_kernel, inside, groups: int) -> torch.Tensor:
-    """Per-position kernel [b, L, k, G, H/G] = base + dynamic, zero on taps outside the block."""
-    kernel_size = dynamic_kernel.shape[2]
-    base = _as_float(base_kernel).view(kernel_size, groups, -1)
-    return (base + _as_float(dynamic_kernel)[..., None]) * inside
-
-
-class _GroupedDynamicCausalConv(torch.autograd.Function):
-    """The convolution as one gather of the taps, with a hand-written backward (a scatter-add and
-    two reductions): few kernels per call, and nothing of size k x H per position kept between
-    the passes (the kernel and the gathered taps are recomputed)."""
-
-    @staticmethod
-    def forward(ctx, hidden, base_kernel, dynamic_kernel, block_size: int) -> torch.Tensor:
-        batch, length = hidden.shape[:2]
-        kernel_size, groups = dynamic_kernel.shape[-2:]
-        sources, inside = conv_taps(length, block_size, kernel_size, hidden.device)
-        taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
-        output = (taps * _conv_kernel(base_kernel, dynamic_kernel, inside, groups)).sum(2).view(hidden.shape)
-        ctx.save_for_backward(hidden, base_kernel, dynamic_kernel, sources, inside)
-        return _cast(output, hidden.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        hidden, base_kernel, dynamic_kernel, sources, inside = ctx.saved_tensors
-        batch, length, hidden_size = hidden.shape
-        kernel_size, groups = dynamic_kernel.shape[-2:]
-        grad = _as_float(grad_output).view(batch, length, 1, groups, -1)
-        grad_hidden = grad_base = grad_dynamic = None
-        if ctx.needs_input_grad[0]:
-            sent = (_conv_kernel(base_kernel, dynamic_kernel, inside, groups) * grad).view(batch, -1, hidden_size)
-            grad_hidden = _cast(torch.zeros_like(hidden, dtype=sent.dtype).index_add_(1, sources, sent), hidden.dtype)
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            taps = _as_float(hidden).index_select(1, sources).view(batch, length, kernel_size, groups, -1)
-            products = taps * (grad * inside)  # [b, L, k, G, H/G]: grad[t, c] * hidden[t - o, c] inside the block
-            if ctx.needs_input_grad[1]:
-                grad_base = _cast(products.sum((0, 1)).view(base_kernel.shape), base_kernel.dtype)
-            if ctx.needs_input_grad[2]:
-                grad_dynamic = _cast(products.sum(-1), dynamic_kernel.dtype)
-        return grad_hidden, grad_base, grad_dynamic, None
+# ---------------------------------------------------------------------------------------------
+# DFlash2 convolution and decoder layer
+# ---------------------------------------------------------------------------------------------
 
 
 class DFlash2GroupedDynamicConv(nn.Module):
@@ -794,7 +557,7 @@ class DFlashPreTrainedModel(PreTrainedModel):
             init.zeros_(module.successor_codebook)
 
 
-class DFlashDraftModel(DFlashPreTrainedModel):
+class DFlashDraftModel(DFlashPreTrainedModel, SpeculativeDecodingMixin):
     """DFlash v1 draft: `fc` + `hidden_norm` on the target features, Qwen3 layers over the block."""
 
     draft_architecture: ClassVar[str] = DFLASH_V1_ARCHITECTURE
@@ -905,88 +668,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             self.dflash.final_logit_softcapping,
         )
 
-    def draft_block(
-        self,
-        target: nn.Module,
-        context: torch.Tensor,
-        block_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Cache,
-        sampling: SamplingSettings,
-        use_selector: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> BlockProposals:
-        """One drafting pass while decoding: the block `block_ids` [1, n] = [anchor, mask, ...]
-        embedded with the target's embedding, attending to `context` (target features of the
-        newly verified tokens [1, c, n_layers * H]) and to the earlier context in `cache`, which
-        keeps only the context afterwards. Proposes tokens for the n - 1 slots after the anchor."""
-        embedding = target.get_input_embeddings().weight
-        noise = F.embedding(block_ids, embedding) * self.dflash.input_embedding_scale
-        hidden = self(
-            position_ids=position_ids,
-            noise_embedding=_cast(noise, self.dtype),
-            target_hidden=_cast(context, self.dtype),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache.crop(-block_ids.shape[1])
-        return self.block_proposals(
-            hidden[:, 1:], block_ids[:, 0], target_output_head(target), sampling, use_selector, generator
-        )
-
-    def block_proposals(
-        self,
-        hidden: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        output_head: nn.Module | torch.Tensor,
-        sampling: SamplingSettings,
-        use_selector: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> BlockProposals:
-        """Proposals from the draft's output at a block's proposal slots [1, n, H]: the unary
-        argmax, or a draw from the unary distribution filtered like the target's (top-k, top-p)."""
-        logits = self.compute_logits(hidden, output_head)
-        if sampling.greedy:
-            return BlockProposals(logits.argmax(dim=-1))
-        probs = sampling.probabilities(logits)
-        return BlockProposals(draw(probs, generator), probs)
-
-    def spec_generate(
-        self,
-        target: nn.Module,
-        input_ids: torch.LongTensor,
-        max_new_tokens: int,
-        stop_token_ids: list[int] | None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        *,
-        return_stats: bool = False,
-        use_selector: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> torch.LongTensor | SpeculativeOutput:
-        """Speculative decoding with `target` (a transformers causal LM): z-lab's call and result.
-
-        Returns the ids [1, prompt + generated]: at most `max_new_tokens` new tokens, ending after
-        the first token of `stop_token_ids` (kept). Greedy (`temperature=0`) gives exactly the
-        target's greedy tokens; sampling follows the target's temperature/top-k/top-p
-        distribution. Keyword-only extras: `return_stats=True` returns a `SpeculativeOutput`
-        (ids, tokens per step, timings); `use_selector=False` makes a DFlash2 draft propose its
-        unary argmax or sample instead of the selector's walk; `generator` seeds the sampling.
-        """
-        self.eval()
-        return speculative_generate(
-            target,
-            self,
-            input_ids,
-            max_new_tokens,
-            stop_token_ids,
-            SamplingSettings(temperature, top_p, top_k),
-            return_stats=return_stats,
-            use_selector=use_selector,
-            generator=generator,
-        )
-
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """`PreTrainedModel.from_pretrained` that also reads `.weight`-spelled codebooks and refuses
@@ -1002,7 +683,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, output_loading_info=True, **kwargs
         )
-        model.check_loaded_tensors(info)
+        check_loaded_tensors(cls.__name__, info, model.dflash2_parameter_names())
         return (model, info) if want_info else model
 
     def dflash2_parameter_names(self) -> set[str]:
@@ -1013,35 +694,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 names.update(f"{prefix}.{name}" for name, _ in module.named_parameters())
         return names
 
-    def check_loaded_tensors(self, info: dict[str, Any]) -> None:
-        missing = set(info.get("missing_keys") or ())
-        unexpected = set(info.get("unexpected_keys") or ())
-        mismatched = list(info.get("mismatched_keys") or ())
-        name = type(self).__name__
-        if unexpected:
-            raise ValueError(f"{name}: the checkpoint has tensors this model does not define: {sorted(unexpected)}")
-        if mismatched:
-            raise ValueError(f"{name}: tensors with the wrong shape (key, checkpoint, model): {mismatched}")
-        dflash2 = self.dflash2_parameter_names()
-        missing_backbone = missing - dflash2
-        if missing_backbone:
-            raise ValueError(f"{name}: the checkpoint lacks tensors: {sorted(missing_backbone)}")
-        missing_dflash2 = missing & dflash2
-        if missing_dflash2 and missing_dflash2 != dflash2:
-            raise ValueError(
-                f"{name}: the checkpoint holds only part of the DFlash2 modules; missing: "
-                f"{sorted(missing_dflash2)}. A DFlash2 checkpoint must carry every conv and selector tensor."
-            )
-        if missing_dflash2:
-            logger.warning(
-                "%s: the checkpoint has no DFlash2 tensors (a DFlash v1 draft?): convs start as identity "
-                "and the selector as a unary no-op.",
-                name,
-            )
-
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """Save with contract names (bare codebooks), then make the remote code exact: `auto_map`
-        naming this package's classes and exactly the two modeling files, even when FSDP2 has
+        naming this package's classes and exactly its remote-code files, even when FSDP2 has
         swapped the instance's class (which would otherwise point `auto_map` at torch files)."""
         kwargs.setdefault("save_original_format", False)
         directory = Path(save_directory)
@@ -1049,28 +704,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_remote_code(directory, self.draft_architecture, python_files_before)
-
-
-def write_remote_code(directory: Path, architecture: str, keep_python_files: set[Path] = frozenset()) -> None:
-    """Copy the two modeling files into `directory` and point `config.json` at them."""
-    source = Path(__file__).resolve().parent
-    for stray in set(directory.glob("*.py")) - keep_python_files:
-        if stray.name not in REMOTE_CODE_FILES:
-            stray.unlink()
-    for filename in REMOTE_CODE_FILES:
-        if (source / filename).resolve() != (directory / filename).resolve():
-            shutil.copyfile(source / filename, directory / filename)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["architectures"] = [architecture]
-    config["auto_map"] = {
-        "AutoConfig": "configuration_dflash2.DFlash2Config",
-        "AutoModel": f"modeling_dflash2.{architecture}",
-    }
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".config.", suffix=".json")
-    with os.fdopen(handle, "w") as stream:
-        stream.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(temporary, config_path)
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -1118,304 +751,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         return BlockProposals(tokens, q, None if q is None else candidate_ids)
 
 
-# ---------------------------------------------------------------------------------------------
-# Speculative decoding: `spec_generate`, the loop every checkpoint carries
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Temperature (0 = greedy), top-p (1 = off) and top-k (0 = off), checked once."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature}).")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p}).")
-        if self.top_k < 0 or int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k must be a non-negative integer (got {self.top_k}).")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """fp32 sampling distribution [..., V], filtered in z-lab's order: logits / T; only the
-        top-k logits; then, by falling probability, only tokens whose preceding mass is below
-        top_p; renormalised."""
-        scores = logits.float() / self.temperature
-        kept_ids = None
-        if 0 < self.top_k < scores.shape[-1]:
-            scores, kept_ids = scores.topk(int(self.top_k), dim=-1)
-        probs = torch.softmax(scores, dim=-1)
-        if self.top_p < 1:
-            ranked, order = probs.sort(dim=-1, descending=True)
-            ranked = ranked * ((ranked.cumsum(dim=-1) - ranked) < self.top_p)
-            probs = torch.zeros_like(probs).scatter(-1, order, ranked)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        if kept_ids is None:
-            return probs
-        return probs.new_zeros(logits.shape).scatter(-1, kept_ids, probs)
-
-    def pick(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The next token from next-token logits [..., V]: argmax, or a draw from `probabilities`."""
-        if self.greedy:
-            return logits.argmax(dim=-1)
-        return draw(self.probabilities(logits), generator)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One sample per row of `probs` [..., V] -> [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-@dataclass
-class BlockProposals:
-    """The tokens a draft proposes for one block [1, n] and, when sampling, the distribution they
-    were drawn from: `probs` [1, n, V] over the vocabulary, or [1, n, K] over `candidate_ids`
-    [1, n, K] (the selector's candidates)."""
-
-    tokens: torch.Tensor
-    probs: torch.Tensor | None = None
-    candidate_ids: torch.Tensor | None = None
-
-    def probability_of_tokens(self) -> torch.Tensor:
-        """q of each proposed token [n]."""
-        tokens = self.tokens[0]
-        if self.candidate_ids is None:
-            return self.probs[0].gather(-1, tokens[:, None])[:, 0]
-        return (self.probs[0] * (self.candidate_ids[0] == tokens[:, None])).sum(dim=-1)
-
-    def residual(self, target_probs: torch.Tensor, slot: int) -> torch.Tensor:
-        """Where to draw after rejecting `slot`: (p - q)+ renormalised, or p if that is empty."""
-        residual = target_probs.clone()
-        if self.candidate_ids is None:
-            residual -= self.probs[0, slot]
-        else:
-            residual.scatter_add_(0, self.candidate_ids[0, slot], -self.probs[0, slot].to(residual.dtype))
-        residual.clamp_(min=0)
-        total = residual.sum()
-        return residual / total if total > 0 else target_probs
-
-
-def rejection_sample(
-    proposals: BlockProposals, target_probs: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[int, torch.Tensor]:
-    """(accepted proposals, the target's token after them), so the output follows p exactly.
-
-    target_probs [n + 1, V]: row i is the target's distribution after block token i. Proposal i is
-    accepted while `u_i * q_i < p_i` (u uniform: probability min(1, p/q)); the first rejected slot
-    draws from the residual, and a fully accepted block draws from the last row.
-    """
-    tokens = proposals.tokens[0]
-    count = tokens.numel()
-    p = target_probs[:count].gather(-1, tokens[:, None])[:, 0]
-    q = proposals.probability_of_tokens()
-    uniform = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
-    accepted = int((uniform * q < p).int().cumprod(dim=0).sum())
-    if accepted == count:
-        return accepted, draw(target_probs[count], generator)
-    return accepted, draw(proposals.residual(target_probs[accepted], accepted), generator)
-
-
-@dataclass
-class SpeculativeOutput:
-    """`spec_generate(..., return_stats=True)`: z-lab's statistics and the decode time.
-
-    acceptance_lengths: tokens produced per verification step (accepted proposals + the target's
-    own token, cut at a stop token or `max_new_tokens`); the first token, from the prompt's
-    prefill, is not a step. time_per_output_token is the decode time over num_output_tokens.
-    """
-
-    output_ids: torch.LongTensor
-    num_input_tokens: int
-    num_output_tokens: int
-    time_to_first_token: float
-    time_per_output_token: float
-    acceptance_lengths: list[int]
-    decode_seconds: float
-
-    @property
-    def new_tokens(self) -> list[int]:
-        return self.output_ids[0, self.num_input_tokens :].tolist()
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
-
-
-def _clock(device: torch.device) -> float:
-    """Wall time once the device's queued work is done (CUDA launches are asynchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _rollback_cache(config: Any = None) -> DynamicCache:
-    """A cache that can be cut back to the verified prefix: the model's own layer kinds, with
-    sliding-window layers recording their past so a rejected tail can be removed."""
-    cache = DynamicCache() if config is None else DynamicCache(config=config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
-
-
-def keep_first(cache: Cache, length: int) -> None:
-    """Cut `cache` back to its first `length` positions (no call when nothing is to go)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
-def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """`hidden_states[id + 1]` (the output of layer id) concatenated in `target_layer_ids` order."""
-    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
-
-
-def target_output_head(target: nn.Module) -> nn.Module:
-    head = getattr(target, "lm_head", None)
-    return head if head is not None else target.get_output_embeddings()
-
-
-def _verify(
-    proposed: torch.Tensor,
-    proposals: BlockProposals | None,
-    target_logits: torch.Tensor,
-    sampling: SamplingSettings,
-    generator: torch.Generator | None,
-) -> tuple[int, torch.Tensor]:
-    """(accepted proposals, the target's token after them) from its logits over the block [n+1, V]."""
-    if sampling.greedy:
-        posterior = target_logits.argmax(dim=-1)
-        accepted = int((proposed == posterior[:-1]).int().cumprod(dim=0).sum())
-        return accepted, posterior[accepted]
-    target_probs = sampling.probabilities(target_logits)
-    if proposals is None:
-        return 0, draw(target_probs[-1], generator)
-    return rejection_sample(proposals, target_probs, generator)
-
-
-@torch.no_grad()
-def speculative_generate(
-    target: nn.Module,
-    draft: DFlashDraftModel | None,
-    input_ids: torch.LongTensor,
-    max_new_tokens: int,
-    stop_token_ids: list[int] | None,
-    sampling: SamplingSettings,
-    *,
-    block_size: int | None = None,
-    return_stats: bool = False,
-    use_selector: bool = True,
-    generator: torch.Generator | None = None,
-) -> torch.LongTensor | SpeculativeOutput:
-    """z-lab's decoding loop (`dflash_generate`) for one sequence.
-
-    After the prompt's prefill, each step drafts the block `[anchor, mask x (n - 1)]`, the anchor
-    being the newest token, with n = min(B, tokens left + 1) (so the final block may be short). The
-    draft attends to the target features of the tokens verified by the previous step; earlier ones
-    sit in its cache. The target verifies the block in one pass on its own cache, which is then cut
-    back to the verified prefix. `draft=None` with `block_size=1` is the target alone through the
-    same loop and calls, one token per step: the speed-up baseline.
-    """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(
-            f"spec_generate decodes one sequence at a time (batch size 1); got input_ids of shape "
-            f"{tuple(input_ids.shape)}."
-        )
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens}).")
-    if block_size is None:
-        block_size = draft.block_size if draft is not None else 1
-    if (draft is None and block_size != 1) or (draft is not None and not 1 <= block_size <= draft.block_size):
-        raise ValueError(f"block_size {block_size} needs a draft of at least that block size (1 = target alone).")
-    device = target.get_input_embeddings().weight.device
-    prompt_length = input_ids.shape[1]
-    max_length = prompt_length + max_new_tokens
-    output_ids = torch.full(
-        (1, max_length + 1), draft.mask_token_id if draft is not None else 0, dtype=torch.long, device=device
-    )
-    output_ids[:, :prompt_length] = input_ids
-    positions = torch.arange(max_length + 1, device=device)[None]
-    stops = torch.tensor(sorted(set(stop_token_ids or ())), dtype=torch.long, device=device)
-    drafting = block_size > 1
-    layer_ids = draft.target_layer_ids if drafting else []
-    target_cache = _rollback_cache(target.config)
-    draft_cache = DynamicCache() if drafting else None
-
-    started = _clock(device)
-    output = target(
-        input_ids=output_ids[:, :prompt_length],
-        position_ids=positions[:, :prompt_length],
-        past_key_values=target_cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=drafting,
-    )
-    output_ids[0, prompt_length] = sampling.pick(output.logits[0, -1], generator)
-    context = target_features(output.hidden_states, layer_ids) if drafting else None
-    time_to_first_token = _clock(device) - started
-
-    started = _clock(device)
-    acceptance_lengths: list[int] = []
-    start = prompt_length  # the anchor's position: the newest token, which the target has not seen
-    stopped = bool(torch.isin(output_ids[0, start], stops))
-    while start + 1 < max_length and not stopped:
-        size = min(block_size, max_length - start)
-        block_ids = output_ids[:, start : start + size].clone()
-        proposals = None
-        if size > 1:
-            proposals = draft.draft_block(
-                target,
-                context,
-                block_ids,
-                positions[:, start - context.shape[1] : start + size],
-                draft_cache,
-                sampling,
-                use_selector,
-                generator,
-            )
-            block_ids[:, 1:] = proposals.tokens
-        verified = target(
-            input_ids=block_ids,
-            position_ids=positions[:, start : start + size],
-            past_key_values=target_cache,
-            use_cache=True,
-            output_hidden_states=size > 1,
-        )
-        accepted, bonus = _verify(block_ids[0, 1:], proposals, verified.logits[0], sampling, generator)
-        output_ids[:, start + 1 : start + accepted + 1] = block_ids[:, 1 : accepted + 1]
-        output_ids[0, start + accepted + 1] = bonus
-        produced = min(accepted + 1, max_length - start - 1)
-        hits = torch.isin(output_ids[0, start + 1 : start + produced + 1], stops).nonzero()
-        if hits.numel() > 0:
-            produced, stopped = int(hits[0, 0]) + 1, True
-        start += produced
-        keep_first(target_cache, start)
-        acceptance_lengths.append(produced)
-        if size > 1:
-            context = target_features(verified.hidden_states, layer_ids)[:, :produced]
-    output_ids = output_ids[:, : min(start + 1, max_length)]
-    if not return_stats:
-        return output_ids
-    decode_seconds = _clock(device) - started
-    generated = output_ids.shape[1] - prompt_length
-    return SpeculativeOutput(
-        output_ids=output_ids,
-        num_input_tokens=prompt_length,
-        num_output_tokens=generated,
-        time_to_first_token=time_to_first_token,
-        time_per_output_token=decode_seconds / generated,
-        acceptance_lengths=acceptance_lengths,
-        decode_seconds=decode_seconds,
-    )
-
-
 DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 
@@ -1426,11 +761,6 @@ __all__ = [
     "DFlash2GroupedDynamicConv",
     "DFlashDraftModel",
     "DFlashPreTrainedModel",
-    "SamplingSettings",
-    "SpeculativeOutput",
-    "block_visibility",
-    "grouped_dynamic_causal_conv",
     "join_lattices",
-    "speculative_generate",
     "unary_transform",
 ]

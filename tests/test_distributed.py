@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from tests.distributed.tiny_setup import write_tiny_run
 from trainer.evaluation.report import run_summary
 from trainer.locks import RUN_LOCK_NAME
@@ -25,7 +26,7 @@ from trainer.training.distributed import LEAKED_WRAPPER_WARNING, close_process_g
 from trainer.training.watchdog import LOST_RANK_STATUS
 
 REPO = Path(__file__).resolve().parents[1]
-DRAFT_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
+DRAFT_FILES = {"config.json", "model.safetensors", *REMOTE_CODE_FILES}
 AUTO_MAP = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "modeling_dflash2.DFlash2DraftModel"}
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
+
 REPO = Path(__file__).resolve().parents[1]
 MARKDOWN = "md"
 DOCUMENT_NAME = re.compile(rf"[A-Za-z0-9_.-]*\.{MARKDOWN}")  # `git grep -o` of the same pattern
@@ -51,6 +53,6 @@ def test_the_licence_file_is_the_one_setup_cfg_and_the_shipped_code_declare():
     licence = (REPO / "LICENSE").read_text()
     assert "Apache License" in licence and "Version 2.0, January 2004" in licence
     shipped = sorted((REPO / "modeling_dflash2").glob("*.py"))
-    assert len(shipped) == 3
+    assert {module.name for module in shipped} == {"__init__.py", *REMOTE_CODE_FILES}
     for module in shipped:
         assert module.read_text().startswith("# SPDX-License-Identifier: Apache-2.0\n"), module.name

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModel
 
 from modeling_dflash2 import DFlash2DraftModel
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from tests.conftest import randomize
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.evaluation.report import render_markdown
@@ -99,7 +100,7 @@ def test_export_writes_exactly_the_public_folder(tmp_path, target, draft):
     assert "hf_secret_token" not in provenance and '"learning_rate": 0.001' in provenance
     assert json.loads(provenance)["serving"]["vllm"]["num_speculative_tokens"] == 3
     # the code copied into the checkpoint carries its licence, the same one the card declares
-    for code_file in ("configuration_dflash2.py", "modeling_dflash2.py"):
+    for code_file in REMOTE_CODE_FILES:
         assert (out / code_file).read_text().startswith("# SPDX-License-Identifier: Apache-2.0\n")
     assert "\nlicense: apache-2.0\n" in (out / "README.md").read_text()
 

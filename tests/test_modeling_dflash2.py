@@ -9,14 +9,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel, unary_transform
-from modeling_dflash2.modeling_dflash2 import (
-    DFlashRMSNorm,
-    DFlashRotaryEmbedding,
-    _RMSNormFunction,
-    apply_rotary,
-    block_visibility,
-    grouped_sdpa_forward,
-)
+from modeling_dflash2.modeling_dflash2 import DFlashRMSNorm, DFlashRotaryEmbedding
+from modeling_dflash2.ops_dflash2 import _RMSNormFunction, apply_rotary, block_visibility, grouped_sdpa_forward
 from tests import naive_dflash
 from tests.conftest import draft_inputs, tiny_config, tiny_draft, tiny_v1_draft
 

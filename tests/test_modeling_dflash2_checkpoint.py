@@ -14,12 +14,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers.dynamic_module_utils import get_relative_import_files, get_relative_imports
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from tests.conftest import draft_inputs, load_fixture_json, rewrite_safetensors, tiny_draft, tiny_v1_draft
 from tests.isolation import WITHOUT_THIS_REPO
+from trainer.models.loading import load_draft
+from trainer.models.warm_start import warm_start
 
-EXPECTED_FILES = {"config.json", "model.safetensors", "configuration_dflash2.py", "modeling_dflash2.py"}
+EXPECTED_FILES = {"config.json", "model.safetensors", *REMOTE_CODE_FILES}
 DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
@@ -70,7 +74,7 @@ def test_saved_checkpoint_has_the_contract_files_names_and_auto_map(tmp_path):
     assert names == set(model.state_dict())
     assert "candidate_selector.predecessor_codebook" in names
     assert not any(name.endswith("codebook.weight") or name.startswith("model.") for name in names)
-    for name in ("configuration_dflash2.py", "modeling_dflash2.py"):
+    for name in REMOTE_CODE_FILES:
         source = Path(__file__).parents[1] / "modeling_dflash2" / name
         assert (directory / name).read_bytes() == source.read_bytes()
 
@@ -222,9 +226,9 @@ REMOTE_SCRIPT = WITHOUT_THIS_REPO + textwrap.dedent(
 )
 
 
-def test_remote_code_loads_offline_without_this_repo_and_reproduces_logits(tmp_path):
-    model = tiny_draft(seed=10).eval()
-    directory = _save(model, tmp_path / "draft")
+def _remote_outputs(directory: Path, model, tmp_path: Path) -> None:
+    """Load `directory` with AutoModel and its own remote code in a process that cannot import this
+    repository, and assert its hidden states, logits and proposals equal `model`'s, bit for bit."""
     inputs = {
         "forward": draft_inputs(model.config, batch=2, context=5),
         "head": torch.randn(50, 32, generator=torch.Generator().manual_seed(1)),
@@ -259,3 +263,62 @@ def test_remote_code_loads_offline_without_this_repo_and_reproduces_logits(tmp_p
     assert torch.equal(remote["hidden"], hidden)
     assert torch.equal(remote["logits"], logits)
     assert torch.equal(remote["tokens"], tokens)
+
+
+def test_remote_code_loads_offline_without_this_repo_and_reproduces_logits(tmp_path):
+    model = tiny_draft(seed=10).eval()
+    _remote_outputs(_save(model, tmp_path / "draft"), model, tmp_path)
+
+
+def test_every_shipped_file_is_reached_from_the_modeling_file_by_relative_imports():
+    """transformers copies (and, from the Hub, downloads) only the files `modeling_dflash2.py`
+    imports relatively, recursively: each shipped file must be one of them, and nothing else."""
+    source = Path(__file__).parents[1] / "modeling_dflash2"
+    reached = {Path(name).name for name in get_relative_import_files(source / "modeling_dflash2.py")}
+    assert reached | {"modeling_dflash2.py"} == set(REMOTE_CODE_FILES)
+
+
+# An export written before the modeling code was split: the single-file layout, as shipped at the
+# time (tests/fixtures/single_file_export, stored as .txt so no tool lints or imports it).
+SINGLE_FILE_FIXTURE = Path(__file__).parent / "fixtures" / "single_file_export"
+SINGLE_FILE_LAYOUT = ("configuration_dflash2.py", "modeling_dflash2.py")
+
+
+def _single_file_export(model, directory: Path) -> Path:
+    """`model` saved as that version saved it: its weights and config, with its two code files."""
+    _save(model, directory)
+    for name in REMOTE_CODE_FILES:
+        (directory / name).unlink()
+    for name in SINGLE_FILE_LAYOUT:
+        (directory / name).write_bytes((SINGLE_FILE_FIXTURE / f"{name}.txt").read_bytes())
+    return directory
+
+
+def test_the_single_file_fixture_is_the_old_layout():
+    modeling = SINGLE_FILE_FIXTURE / "modeling_dflash2.py.txt"
+    assert get_relative_imports(modeling) == ["configuration_dflash2"]
+    assert 'REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py")' in modeling.read_text()
+
+
+def test_a_single_file_export_loads_with_its_own_code_without_this_repo(tmp_path):
+    model = tiny_draft(seed=11).eval()
+    _remote_outputs(_single_file_export(model, tmp_path / "old"), model, tmp_path)
+
+
+def test_a_single_file_export_loads_and_warm_starts_in_this_version(tmp_path):
+    model = tiny_draft(seed=12).eval()
+    directory = _single_file_export(model, tmp_path / "old")
+    loaded = load_draft(directory).eval()
+    started = warm_start(directory, model.config)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+        assert torch.equal(tensor, started.state_dict()[name]), name
+
+
+def test_resaving_a_single_file_export_writes_this_layout(tmp_path):
+    directory = _single_file_export(tiny_draft(seed=13), tmp_path / "old")
+    DFlash2DraftModel.from_pretrained(directory).save_pretrained(directory)
+    assert {p.name for p in directory.iterdir()} == EXPECTED_FILES
+    source = Path(__file__).parents[1] / "modeling_dflash2"
+    for name in REMOTE_CODE_FILES:
+        assert (directory / name).read_bytes() == (source / name).read_bytes(), name

@@ -19,7 +19,7 @@ import torch
 
 from modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel, SamplingSettings, SpeculativeOutput
 from modeling_dflash2.configuration_dflash2 import DFlash2Config
-from modeling_dflash2.modeling_dflash2 import BlockProposals, rejection_sample
+from modeling_dflash2.generation_dflash2 import BlockProposals, rejection_sample
 from tests.conftest import randomize
 from tests.isolation import WITHOUT_THIS_REPO
 from tests.test_speculative import PROMPTS, build_small_vocab_pair, chi_square_p_value

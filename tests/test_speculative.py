@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling_dflash2 import DFlash2DraftModel
-from modeling_dflash2.modeling_dflash2 import BlockProposals
+from modeling_dflash2.generation_dflash2 import BlockProposals
 from tests.conftest import randomize, tiny_config, tiny_dflash_config
 from tests.tiny_target import tiny_draft_config_for, tiny_target
 from trainer.evaluation.speculative import spec_generate, target_generate

@@ -17,6 +17,7 @@ from transformers import Qwen3NextForCausalLM, TrainerCallback
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from modeling_dflash2 import DFlash2DraftModel
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from tests.tiny_target import (
     tiny_chat_dataset,
     tiny_draft_config_for,
@@ -36,8 +37,7 @@ from trainer.training.trainer import DFlash2Trainer
 CHECKPOINT_FILES = {
     "config.json",
     "model.safetensors",
-    "configuration_dflash2.py",
-    "modeling_dflash2.py",
+    *REMOTE_CODE_FILES,
     "optimizer.pt",
     "scheduler.pt",
     "rng_state.pth",
@@ -152,8 +152,7 @@ def test_every_checkpoint_holds_only_the_draft(target, dataset, tmp_path):
     assert final == {
         "config.json",
         "model.safetensors",
-        "configuration_dflash2.py",
-        "modeling_dflash2.py",
+        *REMOTE_CODE_FILES,
         "training_args.bin",
         "dflash2_recipe.json",
     }

@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from modeling_dflash2 import DFlashSettings
-from modeling_dflash2.modeling_dflash2 import target_features
+from modeling_dflash2.generation_dflash2 import target_features
 from trainer.fileio import (
     check_checkpoint_weights,
     default_cache_root,

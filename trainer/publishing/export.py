@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 import modeling_dflash2
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
-from modeling_dflash2.modeling_dflash2 import REMOTE_CODE_FILES
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from trainer.fileio import (
     check_checkpoint_weights,
     read_json_object,

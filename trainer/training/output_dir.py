@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
 from trainer.locks import RUN_LOCK_NAME
 from trainer.training.checkpoints import STAGING_PREFIX, TRASH_PREFIX, checkpoint_step
@@ -45,8 +46,7 @@ RESULT_NAMES = (
 RUN_NAMES = (
     *RESULT_NAMES,
     "adapter_config.json",
-    "configuration_dflash2.py",
-    "modeling_dflash2.py",
+    *REMOTE_CODE_FILES,
     "generation_config.json",
     "speculative",
     "runs",
