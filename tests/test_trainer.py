@@ -29,8 +29,8 @@ from trainer.data.feature_store import OfflineDataset, prepare_features
 from trainer.data.packing import PackedDataset
 from trainer.fileio import DiskFullError
 from trainer.models.target import FrozenTarget
-from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training import checkpointing
+from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import checkpoint_problems
 from trainer.training.exports import draft_for_export
 from trainer.training.trainer import DFlash2Trainer

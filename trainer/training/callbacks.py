@@ -1,6 +1,8 @@
 """The HF `TrainerCallback`s every `DFlash2Trainer` registers, in one place.
 
 - `PreemptionCallback` (`trainer.training.preemption`): SIGTERM/SIGINT save a checkpoint and stop.
+- `ResumedLearningRateCallback`: a learning rate changed on resume (`resume_allow_changes`) takes
+  effect once the optimizer's and scheduler's states are loaded.
 - `PushExportOnSaveCallback`: with `push_to_hub` and `hub_strategy: every_save`, each save is
   exported and published (`trainer.training.exports`); HF's own raw-checkpoint push is switched off
   in the trainer (`_push_from_checkpoint`, listed in `trainer.training.hf_hooks`).
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,9 +25,13 @@ from trainer.data.chat import end_of_turn_ids
 from trainer.evaluation.report import SpeculativeEvalCallback, prompt_ids
 from trainer.training.exports import export_and_publish
 from trainer.training.preemption import PreemptionCallback
+from trainer.training.resume_check import apply_learning_rate
 
 if TYPE_CHECKING:
+    from trainer.training.checkpointing import Checkpointing
     from trainer.training.trainer import DFlash2Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class PushExportOnSaveCallback(TrainerCallback):
@@ -40,6 +47,20 @@ class PushExportOnSaveCallback(TrainerCallback):
         return control
 
 
+class ResumedLearningRateCallback(TrainerCallback):
+    """On a resume that changed learning_rate, the new rate replaces the one the loaded optimizer and
+    scheduler states carry: HF loads them before `on_train_begin`, and hands both to it."""
+
+    def __init__(self, checkpointing: Checkpointing) -> None:
+        self.checkpointing = checkpointing
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if self.checkpointing.learning_rate_changed:
+            apply_learning_rate(optimizer, lr_scheduler, args.learning_rate)
+            logger.warning("learning_rate %s takes effect at step %d", args.learning_rate, state.global_step + 1)
+        return control
+
+
 def pushes_every_save(trainer: DFlash2Trainer) -> bool:
     return bool(trainer.args.push_to_hub and trainer.args.hub_strategy == "every_save")
 
@@ -50,7 +71,7 @@ def runs_spec_eval(trainer: DFlash2Trainer) -> bool:
 
 def expected_callbacks(trainer: DFlash2Trainer) -> list[type[TrainerCallback]]:
     """The callback classes this trainer's arguments ask for (registered by `register_callbacks`)."""
-    wanted: list[type[TrainerCallback]] = [PreemptionCallback]
+    wanted: list[type[TrainerCallback]] = [PreemptionCallback, ResumedLearningRateCallback]
     if pushes_every_save(trainer):
         wanted.append(PushExportOnSaveCallback)
     if runs_spec_eval(trainer):
@@ -62,6 +83,7 @@ def register_callbacks(trainer: DFlash2Trainer) -> PreemptionCallback:
     """Add this run's callbacks to `trainer`; returns the preemption callback (train() installs it)."""
     preemption = PreemptionCallback(trainer.args.process_index)
     trainer.add_callback(preemption)
+    trainer.add_callback(ResumedLearningRateCallback(trainer.checkpointing))
     if pushes_every_save(trainer):
         trainer.add_callback(PushExportOnSaveCallback(trainer))
     if runs_spec_eval(trainer):

@@ -31,7 +31,7 @@ from trainer.training.checkpoints import (
 )
 from trainer.training.finite import weights_are_finite
 from trainer.training.output_dir import check_fresh_start
-from trainer.training.resume_check import IDENTITY_KEY, run_identity
+from trainer.training.resume_check import IDENTITY_KEY, check_unchanged, run_identity
 
 if TYPE_CHECKING:
     from trainer.training.trainer import DFlash2Trainer
@@ -73,7 +73,19 @@ class Checkpointing:
         self.trainer = trainer
         self.staging: Path | None = None
         self.last_checkpoint: Path | None = None
+        self.learning_rate_changed = False  # by this train()'s resume (resume_allow_changes)
         self._identity: dict[str, Any] | None = None
+
+    def resume_point(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """A checkpoint path to resume from (complete, and recorded with the same run: checked before
+        any weights load, `trainer.training.resume_check`), or None for a fresh start."""
+        args = self.trainer.args
+        self.learning_rate_changed = False
+        resume = resume_path(Path(args.output_dir), resume_from_checkpoint, needs_optimizer=not args.save_only_model)
+        if resume is not None:
+            allowed = check_unchanged(Path(resume), self.recipe_record(), args.resume_allow_changes)
+            self.learning_rate_changed = "learning_rate" in allowed
+        return resume
 
     def _weights_are_finite(self) -> bool:
         args = self.trainer.args

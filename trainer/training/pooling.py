@@ -34,10 +34,11 @@ def draw_step_anchors(
     draw: AnchorDraw,
     rows_per_batch: int,
     device: torch.device | str,
-) -> torch.Tensor:
-    """Set `anchors` and `anchor_keep` in every micro-batch of one optimizer step (row ids count on
-    across micro-batches, so the draw does not depend on how the step is split); returns this
-    rank's sum of their loss denominators (float32, on `device`)."""
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Set `anchors`, `anchor_keep` and `loss_denominator` (the step's, summed on `device` over its
+    micro-batches and over ranks by `reduce`) in every micro-batch of one optimizer step. Row ids count on across
+    micro-batches, so the draw does not depend on how the step is split."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for micro_index, batch in enumerate(batch_samples):
         loss_mask, position_ids = batch["loss_mask"], batch.get("position_ids")
@@ -49,7 +50,9 @@ def draw_step_anchors(
         )
         batch["anchors"], batch["anchor_keep"] = anchors, keep
         total = total + loss_denominator(blocks.weights, objective).to(device)
-    return total
+    total = reduce(total)
+    for batch in batch_samples:
+        batch["loss_denominator"] = total
 
 
 class PooledMetrics:

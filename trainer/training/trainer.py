@@ -1,18 +1,11 @@
 """`DFlash2Trainer`: HF `Trainer` with the DFlash2 objective, exact pooling and draft-only saves.
 
-Exact gradient accumulation: `get_batch_samples` draws the anchors of every micro-batch of a step
-up front and all-reduces their loss denominators, and `compute_loss` returns
-`numerator * world_size / global_denominator`, so backward and DDP/FSDP give exactly the pooled
-loss's gradient (hence `loss_is_scaled_for_ga = True` and no `labels` key). Metrics are additive
-pairs pooled exactly when logged. Both are explained in `trainer.training.pooling`.
-
-The rest lives beside it, each with its own tests: staged checkpoints, draft saves and the resume
-point in `trainer.training.checkpointing`; non-finite steps and weights in `trainer.training.finite`;
-exports in `trainer.training.exports`; preemption, push-on-save and real speculative evaluation as
-callbacks (`trainer.training.callbacks`). What the run checks before it builds a trainer (the
-draft against the target, the target's sharding and packing) is checked once, by
-`trainer.training.run.train_run`. The private HF `Trainer` internals still overridden or called are
-listed, with why, in `trainer.training.hf_hooks` (checked when a trainer is built).
+It keeps the loss (`compute_loss`, exact over micro-batches and ranks: `trainer.training.pooling`,
+hence `loss_is_scaled_for_ga = True` and no `labels` key) and what HF documents for overriding. The
+rest lives beside it with its own tests: saves and resume in `checkpointing`, non-finite checks in
+`finite`, exports in `exports`, callbacks in `callbacks`; the private HF internals still overridden
+are listed, with why, in `hf_hooks` (checked when a trainer is built). The draft/target, sharding and
+packing checks run once, before the datasets are built, in `trainer.training.run.train_run`.
 """
 
 from __future__ import annotations
@@ -32,20 +25,20 @@ from trainer.data.dataset import THINKING_GROUPS
 from trainer.data.packing import sample_lengths
 from trainer.models.compile import compile_decoder_layers
 from trainer.models.target import FrozenTarget
-from trainer.objective.blocks import AnchorDraw, sample_anchors
+from trainer.objective.blocks import AnchorDraw
 from trainer.objective.config import selector_alpha_at
 from trainer.objective.loss import ObjectiveResult, RowGroups, configure_selector_training, draft_objective
 from trainer.training import cpu_fsdp
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.callbacks import register_callbacks
-from trainer.training.checkpointing import Checkpointing, resume_path
+from trainer.training.checkpointing import Checkpointing
 from trainer.training.checkpoints import clean_leftovers
 from trainer.training.exports import export_and_publish
 from trainer.training.finite import NonFiniteSteps
 from trainer.training.hf_hooks import check_hooks
+from trainer.training.objective_inputs import batch_anchors, target_features
 from trainer.training.pooling import PooledMetrics, draw_step_anchors
 from trainer.training.precision import apply_at_launch, leave_draft_outputs_uncast
-from trainer.training.resume_check import apply_learning_rate, check_unchanged
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +85,6 @@ class DFlash2Trainer(Trainer):
         self.metrics = PooledMetrics(self.args.device)  # exact over micro-batches and ranks (trainer.training.pooling)
         leave_draft_outputs_uncast(getattr(self.accelerator.state, "fsdp_plugin", None))  # before the draft is wrapped
         self._selector_alpha: float | None = None
-        self._learning_rate_changed = False
         self.preemption = register_callbacks(self)
 
     @property
@@ -101,11 +93,9 @@ class DFlash2Trainer(Trainer):
         return self.checkpointing.last_checkpoint
 
     def create_accelerator_and_postprocess(self) -> None:
-        """HF's accelerator, with FSDP2 forced on CPU ranks when `DFLASH2_FSDP2_ON_CPU` asks
-        (`trainer.training.cpu_fsdp`): the first accelerator sets up accelerate's CPU state, the
-        states are switched to FSDP2 consistently, and the Trainer's accelerator is built on them, so
-        HF's FSDP post-processing and every later save and resume see FSDP as on GPUs. Otherwise a
-        CPU run that asks for FSDP says in one line that accelerate trains it without sharding."""
+        """HF's accelerator, built on FSDP2 states on CPU ranks when `DFLASH2_FSDP2_ON_CPU` asks, so every
+        save and resume sees FSDP as on GPUs; else a CPU run asking for FSDP is told it is not sharded
+        (`trainer.training.cpu_fsdp`)."""
         if cpu_fsdp.should_force(self.args):
             super().create_accelerator_and_postprocess()
             cpu_fsdp.force_fsdp2(self.accelerator.state, cpu_fsdp.fsdp_plugin_for(self.args))
@@ -146,10 +136,8 @@ class DFlash2Trainer(Trainer):
         draw = AnchorDraw(seed=self.args.seed, step=self.state.global_step, rank=self.args.process_index)
         settings = self.accelerator.unwrap_model(self.model).dflash
         rows = self.args.per_device_train_batch_size
-        total = draw_step_anchors(batch_samples, settings, self.objective, draw, rows, device)
-        total = self.accelerator.reduce(total, reduction="sum")
-        for batch in batch_samples:
-            batch["loss_denominator"] = total
+        reduce = partial(self.accelerator.reduce, reduction="sum")
+        draw_step_anchors(batch_samples, settings, self.objective, draw, rows, device, reduce)
         return batch_samples, None
 
     # -- loss -----------------------------------------------------------------------------------
@@ -167,47 +155,29 @@ class DFlash2Trainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def _objective(self, model, draft: DFlashDraftModel, inputs: dict[str, Any]) -> ObjectiveResult:
-        input_ids, loss_mask, position_ids = inputs["input_ids"], inputs["loss_mask"], inputs.get("position_ids")
-        target_hidden, target_final = inputs.get("target_hidden"), inputs.get("target_final_hidden")
         distills = self.objective.distills
-        if target_hidden is None:  # packed rows: train_run checked that the target keeps documents apart
-            attention_mask = inputs.get("attention_mask")
-            captured = self.target.capture(
-                input_ids, attention_mask, draft.target_layer_ids, final_hidden=distills, position_ids=position_ids
-            )
-            target_hidden, target_final = captured if distills else (captured, None)
-        elif distills and target_final is None:
-            raise ValueError(
-                "kd_weight > 0: the offline features hold no target final hidden states; "
-                "build the datasets with final_hidden=True (train.py and prepare.py do for a distilling recipe)"
-            )
+        target_hidden, target_final = target_features(self.target, inputs, draft.target_layer_ids, distills)
         dtype = next(draft.parameters()).dtype
-        if "anchors" in inputs:
-            anchors = (inputs["anchors"], inputs["anchor_keep"])
-        else:  # evaluation: deterministic anchors, by default at every valid position
-            count = self.args.eval_num_anchors or loss_mask.shape[1]
-            anchors = sample_anchors(loss_mask, count, draw=None, position_ids=position_ids)
-        row_groups = None
-        if not model.training and "thinking" in inputs:  # per-mode metrics of a thinking mix (issue 34)
-            row_groups = RowGroups(inputs["thinking"], THINKING_GROUPS)
+        thinking = not model.training and "thinking" in inputs  # per-mode metrics of a thinking mix (issue 34)
+        row_groups = RowGroups(inputs["thinking"], THINKING_GROUPS) if thinking else None
         alpha = self.objective.selector_alpha
         if model.training:
             alpha = selector_alpha_at(self.state.global_step, self.state.max_steps, self.objective)
             self._selector_alpha = alpha
         return draft_objective(
             draft,
-            input_ids,
-            loss_mask,
+            inputs["input_ids"],
+            inputs["loss_mask"],
             target_hidden.to(dtype),
             self.target.embedding_weight,
             self.target.lm_head,
             self.objective,
             draw=None,
             alpha=alpha,
-            anchors=anchors,
+            anchors=batch_anchors(inputs, self.args.eval_num_anchors),
             forward_module=model,
             target_final_hidden=target_final.to(dtype) if distills else None,
-            position_ids=position_ids,
+            position_ids=inputs.get("position_ids"),
             row_groups=row_groups,
         )
 
@@ -234,25 +204,12 @@ class DFlash2Trainer(Trainer):
         if self.args.should_save:
             clean_leftovers(Path(self.args.output_dir))
         self.accelerator.wait_for_everyone()
-        resume = resume_path(Path(self.args.output_dir), resume_from_checkpoint, not self.args.save_only_model)
-        if resume is not None:
-            record = self.checkpointing.recipe_record()
-            allowed = check_unchanged(Path(resume), record, self.args.resume_allow_changes)
-            self._learning_rate_changed = "learning_rate" in allowed
+        resume = self.checkpointing.resume_point(resume_from_checkpoint)
         self.preemption.install()
         try:
             return super().train(resume_from_checkpoint=resume, trial=trial, **kwargs)
         finally:
             self.preemption.uninstall()
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """HF's load, then an allowed learning-rate change takes effect (the loaded states carry the old one)."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self._learning_rate_changed:
-            apply_learning_rate(self.optimizer, self.lr_scheduler, self.args.learning_rate)
-            logger.warning(
-                "learning_rate %s takes effect at step %d", self.args.learning_rate, self.state.global_step + 1
-            )
 
     def _get_output_dir(self, trial) -> str:
         """While a checkpoint is being saved, HF's `_save_checkpoint` writes under the staging folder."""
@@ -291,10 +248,7 @@ class DFlash2Trainer(Trainer):
         pooled = self.metrics.pop(mode, partial(self.accelerator.reduce, reduction="sum"))
         prefix = "eval_" if mode == "eval" else ""
         logs.update({f"{prefix}{name}": value for name, value in pooled.items()})
-        if mode == "train" and self._selector_alpha is not None and draft_has_selector(self.model):
+        has_selector = getattr(self.model, "candidate_selector", None) is not None
+        if mode == "train" and self._selector_alpha is not None and has_selector:
             logs["selector_alpha"] = self._selector_alpha
         super().log(logs, start_time)
-
-
-def draft_has_selector(model) -> bool:
-    return getattr(model, "candidate_selector", None) is not None
