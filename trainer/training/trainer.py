@@ -113,8 +113,6 @@ class DFlash2Trainer(Trainer):
             arguments["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
         return arguments
 
-    # -- data: anchors and the global denominator of each optimizer step ------------------------
-
     def _get_train_sampler(self, train_dataset=None):
         """HF's sampler; `group_by_length` gets the samples' lengths from their Arrow column (HF would
         read every sample to measure it, an offline one with its features)."""
@@ -139,8 +137,6 @@ class DFlash2Trainer(Trainer):
         reduce = partial(self.accelerator.reduce, reduction="sum")
         draw_step_anchors(batch_samples, settings, self.objective, draw, rows, device, reduce)
         return batch_samples, None
-
-    # -- loss -----------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         draft = self.accelerator.unwrap_model(model)
@@ -194,8 +190,6 @@ class DFlash2Trainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    # -- resuming and saving (trainer.training.checkpointing) -------------------------------------
-
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
         """HF `train`, plus: leftovers of interrupted saves are cleaned up first, `True` resumes from
         the newest *complete* checkpoint (or starts fresh when there is none), a named checkpoint
@@ -239,8 +233,6 @@ class DFlash2Trainer(Trainer):
         """Export the current draft (contract-validated) and publish it as one commit."""
         with tempfile.TemporaryDirectory() as scratch:
             return export_and_publish(self, Path(scratch) / "export", commit_message or "End of training")
-
-    # -- logging --------------------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the pooled metrics: `name` in training logs, `eval_name` next to `eval_loss`."""
