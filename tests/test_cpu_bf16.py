@@ -131,7 +131,7 @@ def test_a_bf16_tiny_run_trains_checkpoints_resumes_exactly_and_exports(tmp_path
     values["output_dir"] = str(resumed_output)
     resumed_recipe = tmp_path / "resumed.yaml"
     resumed_recipe.write_text(yaml.safe_dump(values))
-    with caplog.at_level(logging.INFO, logger="trainer.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="trainer.training.checkpointing"):
         train.main([str(resumed_recipe), "--resume_from_checkpoint", "true"])
     assert f"Resuming from {resumed_output / 'checkpoint-2'}" in caplog.messages
     resumed_weights, resumed_losses = outcome(resumed_output)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from trainer.training.hf_hooks import ATTRIBUTES, HOOKS, INSTANCE_ATTRIBUTES, check_hooks, hook_problems
 from trainer.training.resume_check import apply_learning_rate
@@ -67,17 +67,10 @@ class RecordingTrainer(Trainer):
         self.calls.append(("_get_grad_norm", {"given": grad_norm, "weight": weight, "norm": norm}))
         return norm
 
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        self.calls.append(("_load_optimizer_and_scheduler", {"checkpoint": checkpoint, "lr": self._lr()}))
-
     def _get_train_sampler(self, train_dataset=None):
         sampler = ReversedSampler(len(self.train_dataset))
         self.calls.append(("_get_train_sampler", {"returned": sampler}))
         return sampler
-
-    def _lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def named(self, name: str) -> list[dict]:
         return [details for called, details in self.calls if called == name]
@@ -156,20 +149,27 @@ def test_push_from_checkpoint_is_called_by_save_checkpoint_with_the_folder(tmp_p
     ]
 
 
-def test_load_optimizer_and_scheduler_runs_on_resume_after_the_states_load_and_its_changes_stick(trained, tmp_path):
-    """DFlash2Trainer changes the learning rate right after HF's load: the loaded states must not overwrite it."""
+class RateOnTrainBegin(TrainerCallback):
+    """Changes the learning rate in on_train_begin, as ResumedLearningRateCallback does."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, int]] = []
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        schedule = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        self.seen.append((bool(optimizer.state), schedule.last_epoch))
+        apply_learning_rate(optimizer, lr_scheduler, 0.25)
+
+
+def test_on_train_begin_runs_on_resume_after_the_states_load_and_its_rate_change_sticks(trained, tmp_path):
+    """ResumedLearningRateCallback changes the rate in on_train_begin: HF must have loaded the optimizer's
+    and scheduler's states by then (they would overwrite it) and must hand both to the callback."""
     checkpoint = tmp_path / "staging" / "checkpoint-1"
     resumed = make(tmp_path, run="resumed", save_strategy="no", learning_rate=0.1)
-    seen = []
-
-    def load_then_change(checkpoint_folder):
-        Trainer._load_optimizer_and_scheduler(resumed, checkpoint_folder)
-        seen.append((checkpoint_folder, bool(resumed.optimizer.state), resumed.lr_scheduler.last_epoch))
-        apply_learning_rate(resumed.optimizer, resumed.lr_scheduler, 0.25)
-
-    resumed._load_optimizer_and_scheduler = load_then_change
+    callback = RateOnTrainBegin()
+    resumed.add_callback(callback)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert seen == [(str(checkpoint), True, 1)]  # called once, the optimizer's and scheduler's states loaded
+    assert callback.seen == [(True, 1)]  # called once, the optimizer's and scheduler's states loaded
     step_two = [log["learning_rate"] for log in resumed.state.log_history if log.get("step") == 2 and "loss" in log]
     assert step_two == [0.25]  # the resumed step ran at the changed rate
 

@@ -102,14 +102,14 @@ def test_the_trainer_keeps_metric_sums_in_float64_between_logs(tmp_path):
     with torch.no_grad():
         trainer.compute_loss(trainer.model, batch)
         trainer.compute_loss(trainer.model, batch)
-    sums = pooled_sums(trainer._metric_sums["eval"])
+    sums = pooled_sums(trainer.metrics.sums["eval"])
     assert sums and {value.dtype for value in sums.values()} == {torch.float64}
-    names, pairs = flatten_terms(trainer._metric_sums["eval"])
+    names, pairs = flatten_terms(trainer.metrics.sums["eval"])
     assert pairs.dtype == torch.float64
     logged = {}
     trainer.callback_handler.on_log = lambda args, state, control, logs: logged.update(logs) or control
     trainer.log({"eval_loss": 0.0})
-    assert logged["eval_loss"] == ratios(names, pairs)["loss"] and trainer._metric_sums["eval"] == {}
+    assert logged["eval_loss"] == ratios(names, pairs)["loss"] and trainer.metrics.sums["eval"] == {}
 
 
 @pytest.fixture

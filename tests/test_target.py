@@ -293,9 +293,8 @@ def sharded_trainer(tmp_path, target_sharding: str, **overrides):
     )
 
 
-def test_the_trainer_refuses_fsdp_sharding_with_paths_that_run_the_target_unevenly(tmp_path):
-    with pytest.raises(ValueError, match=r"^spec_eval_prompts=2 needs target_sharding: none \("):
-        sharded_trainer(tmp_path, "fsdp", spec_eval_prompts=2)
+def test_the_trainer_refuses_fsdp_sharding_with_uneven_batches(tmp_path):
+    """The sharding mode itself is checked once, by train_run, before anything loads (next test)."""
     with pytest.raises(ValueError, match=r"^target_sharding: fsdp needs accelerator_config.even_batches: true \("):
         sharded_trainer(tmp_path, "fsdp", accelerator_config={"even_batches": False})
     assert sharded_trainer(tmp_path, "none", accelerator_config={"even_batches": False}).target.device.type == "cpu"

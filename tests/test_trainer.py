@@ -30,8 +30,10 @@ from trainer.data.feature_store import OfflineDataset, prepare_features
 from trainer.data.packing import PackedDataset
 from trainer.fileio import DiskFullError
 from trainer.models.target import FrozenTarget
+from trainer.training import checkpointing
 from trainer.training.arguments import DFlashTrainingArguments
 from trainer.training.checkpoints import checkpoint_problems
+from trainer.training.exports import draft_for_export
 from trainer.training.trainer import DFlash2Trainer
 
 CHECKPOINT_FILES = {
@@ -318,7 +320,7 @@ def test_skip_nonfinite_steps_leaves_weights_and_optimizer_untouched_then_stops(
     trainer.add_callback(snapshots)
     with pytest.raises(FloatingPointError, match=r"^non-finite gradient norm \(nan\) at step 5 after skipping 1 step"):
         trainer.train()
-    assert trainer.skipped_steps == [3]
+    assert trainer.nonfinite.skipped_steps == [3]
     assert "non-finite gradient norm (nan) at step 3: step skipped" in caplog.text
     (weights_2, optimizer_2), (weights_3, optimizer_3) = snapshots.after[2], snapshots.after[3]
     assert all(torch.equal(weights_2[name], weights_3[name]) for name in weights_2)  # not even weight decay
@@ -418,16 +420,16 @@ def test_a_full_disk_at_the_final_save_keeps_the_previous_draft(target, dataset,
 
 
 def test_both_fsdp_paths_take_the_one_full_state_dict_gather(target, dataset, tmp_path, monkeypatch):
-    """Under FSDP the draft save and the export both use `_full_state_dict` (one collective gather): its
-    result, and nothing else, is what they write and export."""
+    """Under FSDP the draft save and the export both use `checkpointing.full_state_dict` (one collective
+    gather): its result, and nothing else, is what they write and export."""
     trainer = make_trainer(target, dataset, tmp_path / "run")
     marked = {name: torch.full_like(value, 0.5) for name, value in trainer.model.state_dict().items()}
     calls = []
     monkeypatch.setattr(trainer, "is_fsdp_enabled", True)
-    monkeypatch.setattr(trainer, "_full_state_dict", lambda: calls.append("gather") or marked)
-    exported = trainer.draft_for_export()
+    monkeypatch.setattr(checkpointing, "full_state_dict", lambda model: calls.append("gather") or marked)
+    exported = draft_for_export(trainer)
     assert all(torch.equal(value, marked[name]) for name, value in exported.state_dict().items())
-    trainer._write_draft(tmp_path / "draft")
+    trainer.checkpointing.write_draft(tmp_path / "draft")
     saved = load_file(tmp_path / "draft" / "model.safetensors")
     assert saved and all(torch.all(tensor == 0.5) for tensor in saved.values())
     assert calls == ["gather", "gather"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import torch
 from huggingface_hub import CommitInfo, HfApi
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 from trainer.fileio import format_bytes, read_json_object
 from trainer.models.config_bounds import (
@@ -246,16 +244,3 @@ def publish_command(
     if revision:
         command += ["--revision", revision]
     return shlex.join(command)
-
-
-class PushExportOnSaveCallback(TrainerCallback):
-    """At every save, export the model being trained and publish it (one commit per save)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            with tempfile.TemporaryDirectory() as scratch:
-                self.trainer.export_and_publish(Path(scratch) / "export", f"Checkpoint at step {state.global_step}")
-        return control

@@ -1,12 +1,18 @@
 """The private transformers `Trainer` internals `DFlash2Trainer` relies on, in one place.
 
-HF documents `compute_loss`, `get_batch_samples`, `log` and the callbacks; the staged checkpoints,
-the non-finite step check, the learning-rate change on resume, regional compilation and draft-only
-pushes hang on private methods instead. Each is listed here with the call DFlash2Trainer makes (its
+DFlash2Trainer overrides what HF documents for overriding (`compute_loss`, `get_batch_samples`,
+`prediction_step`, `log`, `train`, `save_model`, `save_state`, `push_to_hub`,
+`create_accelerator_and_postprocess`) and hands the rest to callbacks (`trainer.training.callbacks`).
+Four jobs have no public hook and hang on private methods instead: staged checkpoints
+(`_get_output_dir`, `_save_checkpoint`), draft-only pushes (`_push_from_checkpoint`), the non-finite
+step check (`_get_grad_norm`) and regional compilation (`_build_accelerator_args`); the
+Arrow-length sampler (`_get_train_sampler`)
+is HF's sampler hook, private by name. Each is listed here with the call DFlash2Trainer makes (its
 arguments are bound against the method's signature by `hook_problems`, run when a trainer is built,
-so a renamed method or parameter is one clear error instead of a silently skipped hook) and what it
-is relied on for. tests/test_hf_hooks.py runs a real tiny `Trainer` to check that transformers still
-calls each one as relied on (when, with what, and what it does with the result).
+so a renamed method or parameter is one clear error instead of a silently skipped hook), what it
+is relied on for and why no public hook or callback does it (`why_private`). tests/test_hf_hooks.py
+runs a real tiny `Trainer` to check that transformers still calls each one as relied on (when,
+with what, and what it does with the result).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class Hook:
 
     name: str
     relied_on_for: str
+    why_private: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -34,49 +41,58 @@ HOOKS = (
         "_get_output_dir",
         "HF's _save_checkpoint takes its run folder from it (_get_output_dir(trial=trial)): overridden to return "
         "the staging folder while a checkpoint is saved, so checkpoint-N appears only when complete",
+        "no callback runs before HF writes a checkpoint, and this is where HF reads the folder it writes into",
         kwargs={"trial": None},
     ),
     Hook(
         "_save_checkpoint",
         "writes <_get_output_dir()>/checkpoint-<global_step> (save_model(..., _internal_call=True), optimizer, "
         "scheduler, RNG, trainer_state.json) and calls _push_from_checkpoint; wrapped to stage and publish it",
+        "on_save runs after the files are written under their final name; staging must wrap the write itself",
         args=(None, None),
     ),
     Hook(
         "_push_from_checkpoint",
         "called by _save_checkpoint when push_to_hub: overridden to do nothing (pushes are exports, never raw "
         "checkpoints)",
+        "with push_to_hub HF uploads the raw checkpoint from inside _save_checkpoint; no argument turns that "
+        "off while keeping push_to_hub",
         args=("checkpoint-1",),
     ),
     Hook(
         "_build_accelerator_args",
         "the Accelerator's arguments, as a dict with dynamo_plugin: replaced when the draft's layers are already "
         "compiled in place",
+        "TrainingArguments cannot keep torch_compile for the layers yet stop accelerate compiling the whole model",
         kwargs={"gradient_accumulation_plugin": None},
     ),
     Hook(
         "_get_grad_norm",
         "called once per optimizer step, before optimizer.step, with the (clipped) norm as grad_norm: where the "
         "non-finite step check runs and a skipped step drops its gradients",
+        "on_pre_optimizer_step runs at the same point but is not given the norm; recomputing it would be a "
+        "second pass and collective per step",
         args=(None,),
         kwargs={"grad_norm": None},
-    ),
-    Hook(
-        "_load_optimizer_and_scheduler",
-        "called on resume with the checkpoint folder, after which an allowed learning-rate change is applied",
-        args=("checkpoint-1",),
     ),
     Hook(
         "_get_train_sampler",
         "returns the training sampler: for train_sampling_strategy group_by_length, overridden to hand HF's "
         "LengthGroupedSampler the lengths read from the Arrow column (HF would read every sample, features "
         "included)",
+        "HF's sampler hook (get_train_dataloader calls it); only its name is private",
         args=(None,),
     ),
-    Hook("_prepare_inputs", "moves an evaluation batch to the device in prediction_step", args=({},)),
+    Hook(
+        "_prepare_inputs",
+        "moves an evaluation batch to the device in prediction_step",
+        "called, not overridden: HF's own prediction_step prepares its inputs the same way",
+        args=({},),
+    ),
     Hook(
         "save_model",
         "its private _internal_call=True marks a save from inside _save_checkpoint or push_to_hub (no push)",
+        "HF's own saves pass it; it is the only way to tell them from a user's save (which may push)",
         args=("folder",),
         kwargs={"_internal_call": True},
     ),

@@ -1,6 +1,6 @@
 """Resume refuses a changed run: the checkpoint's recorded recipe against the new one, before any weights load.
 
-Every checkpoint holds `dflash2_recipe.json` (`DFlash2Trainer.recipe_record`): the model, data and
+Every checkpoint holds `dflash2_recipe.json` (`Checkpointing.recipe_record`): the model, data and
 training arguments, plus `resume_identity` (this module's `run_identity`): the effective draft
 config, the target's fingerprint, a dataset fingerprint and the world size. On resume the new
 run's record is compared with it field by field. Fields of these classes are refused, all in one

@@ -104,6 +104,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     transformers.logging.set_verbosity_warning()
     transformers.set_seed(training_args.seed)
     liveness = start_watchdog(training_args)  # each rank watches the others from here on (rank_stall_timeout)
+    # The sharding, the draft against the target and packing are checked here only, before the long steps.
     check_target_sharding(model_args.target_sharding, training_args.spec_eval_prompts)  # before any long step
     load_draft_config(model_args)  # the draft config's rules and the export's, before the target loads
     check_run_fits(model_args, data_args, training_args)  # the planner's estimate against this device's memory
