@@ -9,6 +9,7 @@ these tests are skipped; with it, a missing vLLM virtualenv is a failure, never 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,9 @@ from trainer.models.target import FrozenTarget, TargetSource, converted_gguf_pat
 
 ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
 HERE = Path(__file__).parent
-__all__ = ["REPO", "SERVED_NAME", "TARGET", "start_feature_server", "start_server"]
+DRAFT_CONFIG = REPO / "hub_configs" / "smollm2-135m-dflash2.json"
+LAYER_IDS = json.loads(DRAFT_CONFIG.read_text())["dflash_config"]["target_layer_ids"]
+__all__ = ["DRAFT_CONFIG", "LAYER_IDS", "REPO", "SERVED_NAME", "TARGET", "start_feature_server", "start_server"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -80,5 +83,16 @@ def start_feature_server(engine_root: Path, checkpoint: Path, name: str, layer_i
 def target_server(engine_root: Path, target_checkpoint: Path) -> Iterator[VllmServer]:
     """vLLM serving the target alone, as users run it for regeneration."""
     server = start_server(target_checkpoint, engine_root / "target.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def feature_server(engine_root: Path, target_checkpoint: Path) -> Iterator[VllmServer]:
+    """vLLM writing the hidden states of the demo draft's layers: one server for the offline-store
+    tests (test_vllm_features) and the streamed-training tests (test_vllm_streamed), since both ask
+    it the same way (a start is one to three minutes). Every test counts only the files that
+    appeared in its storage during it, so what an earlier test left there does not count."""
+    server = start_feature_server(engine_root, target_checkpoint, "hidden_states", LAYER_IDS)
     yield server
     server.stop()

@@ -22,7 +22,7 @@ import datasets
 import pytest
 import torch
 
-from tests.engines.conftest import REPO, SERVED_NAME, TARGET, start_feature_server
+from tests.engines.conftest import DRAFT_CONFIG, LAYER_IDS, REPO, SERVED_NAME, TARGET
 from trainer.data.chat import render
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.endpoint import EndpointError, EndpointSettings
@@ -31,18 +31,9 @@ from trainer.data.engine_servers import FeatureEndpointSettings
 from trainer.data.feature_store import FEATURE_INDEX, OfflineDataset, prepare_features, store_fingerprint
 from trainer.models.target import TargetTokenizer
 
-DRAFT_CONFIG = REPO / "hub_configs" / "smollm2-135m-dflash2.json"
-LAYER_IDS = json.loads(DRAFT_CONFIG.read_text())["dflash_config"]["target_layer_ids"]
 # Relative error (Frobenius, per sample) between vLLM's and transformers' fp32 hidden states: the
 # same weights through other kernels (measured here: about 4e-7 to 4e-6).
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def feature_server(engine_root: Path, target_checkpoint: Path):
-    server = start_feature_server(engine_root, target_checkpoint, "hidden_states", LAYER_IDS)
-    yield server
-    server.stop()
 
 
 def token_samples(tokenizer, count: int, offset: int = 0) -> datasets.Dataset:

@@ -29,10 +29,10 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def streaming_server(engine_root: Path, target_checkpoint: Path):
-    server = start_feature_server(engine_root, target_checkpoint, "streamed_states", LAYER_IDS)
-    yield server
-    server.stop()
+def streaming_server(feature_server):
+    """The session's feature server (conftest), shared with test_vllm_features: streaming asks it
+    exactly as an offline capture does, and each test here counts only the files it caused."""
+    return feature_server
 
 
 def streamed_keys(*servers) -> dict:
