@@ -265,6 +265,7 @@ def _remote_outputs(directory: Path, model, tmp_path: Path) -> None:
     assert torch.equal(remote["tokens"], tokens)
 
 
+@pytest.mark.slow
 def test_remote_code_loads_offline_without_this_repo_and_reproduces_logits(tmp_path):
     model = tiny_draft(seed=10).eval()
     _remote_outputs(_save(model, tmp_path / "draft"), model, tmp_path)
@@ -300,6 +301,7 @@ def test_the_single_file_fixture_is_the_old_layout():
     assert 'REMOTE_CODE_FILES = ("configuration_dflash2.py", "modeling_dflash2.py")' in modeling.read_text()
 
 
+@pytest.mark.slow
 def test_a_single_file_export_loads_with_its_own_code_without_this_repo(tmp_path):
     model = tiny_draft(seed=11).eval()
     _remote_outputs(_single_file_export(model, tmp_path / "old"), model, tmp_path)

@@ -78,7 +78,9 @@ def test_signature_is_z_labs_with_keyword_only_extras():
         assert extras == {"return_stats": False, "use_selector": True, "generator": None}
 
 
-@pytest.mark.parametrize("new_tokens", [1, 2, 5, 7, 13])
+@pytest.mark.parametrize(
+    "new_tokens", [1, 2, 5, pytest.param(7, marks=pytest.mark.slow), pytest.param(13, marks=pytest.mark.slow)]
+)
 def test_greedy_returns_the_targets_generate_ids_at_any_length(pair, new_tokens):
     """[1, P + n], equal to `generate` token for token, n not tied to the block size (B = 4)."""
     target, draft = pair
@@ -124,6 +126,7 @@ def test_greedy_is_lossless_on_a_sliding_window_target():
             assert torch.equal(out, generate_greedy(target, prompt, new_tokens))
 
 
+@pytest.mark.slow
 def test_dflash_v1_draft_has_the_same_method(pair):
     target, draft = pair
     v1 = v1_draft_for(draft)
@@ -147,6 +150,7 @@ def test_stop_token_is_kept_and_ends_generation(pair):
     assert stats.new_tokens == [free[0]] and stats.acceptance_lengths == []
 
 
+@pytest.mark.slow
 def test_return_stats_fields(pair):
     target, draft = pair
     prompt = PROMPTS[2]
@@ -203,6 +207,7 @@ class Recorder:
             handle.remove()
 
 
+@pytest.mark.slow
 def test_each_token_is_encoded_once_and_the_last_block_is_short(pair):
     """KV caches: the target sees the prompt once, then only blocks; the draft gets each verified
     token's features once. With 13 new tokens and B = 4 the final block has what is left + 1."""
@@ -365,6 +370,7 @@ def exact_filtered_joint(target, prompt, length, temperature, top_k, top_p):
     return joint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_kind", ["selector", "unary", "v1"])
 def test_top_k_top_p_sampling_follows_the_targets_filtered_distribution(draft_kind):
     target, draft = build_small_vocab_pair()
@@ -422,6 +428,7 @@ def readme_snippet() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_readme_snippet_runs_on_a_saved_draft_where_this_repo_cannot_be_imported(tmp_path):
     frozen = tiny_target("llama", seed=1)
     target, tokenizer = frozen.model, frozen.tokenizer

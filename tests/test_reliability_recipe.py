@@ -100,6 +100,7 @@ def _written_text(folders: list[Path]) -> str:
     return "".join(p.read_bytes().decode("latin-1") for f in folders if f.exists() for p in f.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "recipe_changes", "flags"),
     [

@@ -257,6 +257,7 @@ def test_safe_changes_resume_silently(target, dataset, trained, tmp_path, caplog
     assert IDENTITY_KEY in json.loads((output / "checkpoint-3" / RECIPE_FILE).read_text())  # recorded for the next
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
 def test_an_allowed_learning_rate_takes_effect(target, dataset, tmp_path, schedule):
     """Without the fix the scheduler's state brings the old base rate back: 0.005 would be used."""

@@ -164,6 +164,7 @@ def chi_square_p_value(counts: Counter, expected: dict, samples: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(freedom / 2.0), torch.tensor(statistic / 2.0)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("use_selector", "samples"), [(True, 1500), (False, 1000)])
 def test_sampled_speculative_output_follows_the_target_distribution(small_vocab_pair, use_selector, samples):
     target, draft = small_vocab_pair
@@ -191,6 +192,7 @@ def test_sampled_speculative_output_follows_the_target_distribution(small_vocab_
     assert total_variation < 0.2  # loose sanity bound; the chi-square above is the test
 
 
+@pytest.mark.slow
 def test_the_chi_square_check_catches_a_wrong_distribution(small_vocab_pair):
     """Control: sampling at another temperature must fail the same check."""
     target, _ = small_vocab_pair
