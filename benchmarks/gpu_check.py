@@ -2,7 +2,7 @@
 
 Phases, each in its own process with its own time limit (a hung compile or a poisoned CUDA context
 cannot take the others down; unused time carries over to the next phase):
-1. `cuda_tests`: `pytest tests/test_cuda.py` (flex_attention == dense masks, bf16 autocast step,
+1. `cuda_tests`: `pytest tests/integration/test_cuda.py` (flex_attention == dense masks, bf16 autocast step,
    FSDP2 save/load round trip, lossless speculative decoding), one result per test.
 2. `matmul_peak`: the card's bf16 `torch.mm` peak at GPU sizes, the denominator of MFU.
 3. `benchmark:<setup>` for the SmolLM2 step and a large (Qwen3-vocabulary) step with few anchors:
@@ -51,7 +51,7 @@ from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_OUTPUT = RESULTS / "cuda.json"
-CUDA_TESTS = "tests/test_cuda.py"
+CUDA_TESTS = "tests/integration/test_cuda.py"
 DEFAULT_BUDGET_S = 480.0  # the whole GPU run, all phases together
 GPU_MATMUL_SIZES = (4096, 8192)
 GPU_ATTENTION = "flex_attention"
@@ -64,7 +64,7 @@ GPU_MODULES = (
     "benchmarks.op_count",
     "benchmarks.train_step",
     "modeling_dflash2",
-    "tests.test_cuda",
+    "tests.integration.test_cuda",
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
     "torch.distributed.device_mesh",

@@ -24,7 +24,7 @@ class Limit:
         return f"{self.name}: {self.why} (on a GPU: {self.on_gpu})"
 
 
-CUDA_TESTS = "make gpu-check, tests/test_cuda.py"
+CUDA_TESTS = "make gpu-check, tests/integration/test_cuda.py"
 NOT_CHECKED_ON_CPU: tuple[Limit, ...] = (
     Limit(
         "NCCL collectives",

@@ -258,7 +258,7 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, DFlashTrainingArguments)
 # Every numeric, dtype and mode field's range, by field name: checked where a recipe or flag value is read (naming
 # the key the user wrote) and in ModelArguments' and DFlashTrainingArguments' __post_init__ (DataArguments built in
 # code are checked against their dataset by trainer.data.dataset). Every int/float field this project declares has one
-# (tests/test_reliability_recipe.py); the TrainingArguments fields recipes use are listed too.
+# (tests/unit/training/test_reliability_recipe.py); the TrainingArguments fields recipes use are listed too.
 RULES: dict[str, Rule] = {
     # ModelArguments
     "target_dtype": one_of(*DTYPES),

@@ -10,7 +10,7 @@ Arrow-length sampler (`_get_train_sampler`)
 is HF's sampler hook, private by name. Each is listed here with the call DFlash2Trainer makes (its
 arguments are bound against the method's signature by `hook_problems`, run when a trainer is built,
 so a renamed method or parameter is one clear error instead of a silently skipped hook), what it
-is relied on for and why no public hook or callback does it (`why_private`). tests/test_hf_hooks.py
+is relied on for and why no public hook or callback does it (`why_private`). tests/unit/training/test_hf_hooks.py
 runs a real tiny `Trainer` to check that transformers still calls each one as relied on (when,
 with what, and what it does with the result).
 """
