@@ -90,6 +90,7 @@ def test_truncate_and_filter_drops_samples_without_anchor(caplog):
         truncate_and_filter(dataset.select([1]), max_length=4, name="chat.jsonl")
 
 
+@pytest.mark.slow
 def test_regenerated_responses_are_the_targets_own_greedy_tokens(target, tmp_path, monkeypatch):
     prompts = [prompt_conversation(p) for p in ["hi how are you", "tell me about the weather today", "hello"]]
     settings = GenerationSettings(max_new_tokens=6, batch_size=2)
@@ -113,6 +114,7 @@ def test_regenerated_responses_are_the_targets_own_greedy_tokens(target, tmp_pat
         regenerate(target, prompts, GenerationSettings(max_new_tokens=5, batch_size=2), tmp_path)
 
 
+@pytest.mark.slow
 def test_sampled_regeneration_is_seeded_and_differs_from_greedy(target, tmp_path):
     prompts = [prompt_conversation(p) for p in ["hi", "hello how are you", "tell me about music"]]
     sampled = GenerationSettings(max_new_tokens=8, temperature=1.5, batch_size=2, seed=7)
@@ -143,6 +145,7 @@ def test_offline_features_equal_online_capture_and_are_reused(target, tmp_path, 
     assert prepare_features(target, tokens, [2, 1], tmp_path, batch_size=2) == path
 
 
+@pytest.mark.slow
 def test_offline_store_with_final_hidden_states_for_distillation(target, tmp_path):
     """One more H-wide feature per token, from the same capture, under its own cache key (a store
     without it is never mistaken for one with it)."""

@@ -166,6 +166,7 @@ def test_captured_target_features_of_a_packed_row_are_each_documents_own(setting
         target.model.config._attn_implementation = "sdpa"
 
 
+@pytest.mark.slow
 def test_per_anchor_losses_and_draft_gradients_of_a_packed_row_equal_each_document_alone(setting):
     target, draft, documents, masks = setting
     input_ids, loss_mask, positions = torch.cat(documents)[None], torch.cat(masks)[None], packed_positions(LENGTHS)

@@ -149,6 +149,7 @@ def test_the_default_recipe_is_what_the_base_recipe_trains():
     assert not compare_recipes.RECIPES[default]["v1"]
 
 
+@pytest.mark.slow
 def test_step_cost_of_each_recipe():
     """At the demo's step shape: v1 saves the convs and the selector (a little), distillation adds
     one LM-head forward (the teacher's logits), whatever its weight."""

@@ -79,7 +79,14 @@ def test_signature_is_z_labs_with_keyword_only_extras():
 
 
 @pytest.mark.parametrize(
-    "new_tokens", [1, 2, 5, pytest.param(7, marks=pytest.mark.slow), pytest.param(13, marks=pytest.mark.slow)]
+    "new_tokens",
+    [
+        1,
+        2,
+        pytest.param(5, marks=pytest.mark.slow),
+        pytest.param(7, marks=pytest.mark.slow),
+        pytest.param(13, marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_returns_the_targets_generate_ids_at_any_length(pair, new_tokens):
     """[1, P + n], equal to `generate` token for token, n not tied to the block size (B = 4)."""
