@@ -124,6 +124,7 @@ def _evaluate(saved: Path, *flags: str) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_cli_reports_tau_per_context_length(saved, tmp_path):
     output = tmp_path / "long"
     report = _evaluate(
@@ -143,6 +144,7 @@ def test_cli_reports_tau_per_context_length(saved, tmp_path):
     assert "| trained/unary |" in report_file(output, "md", LONG_CONTEXT_REPORT).read_text()
 
 
+@pytest.mark.slow
 def test_cli_thinking_both_reports_tau_for_each(saved, tmp_path):
     report = _evaluate(
         saved,
