@@ -35,6 +35,7 @@ def pair(request):
     return target.model, draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_selector", [True, False])
 def test_greedy_speculative_output_equals_target_greedy_generate(pair, use_selector):
     target, draft = pair
