@@ -65,6 +65,7 @@ class OracleProposals:
         return BlockProposals(tokens[None])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", [0, 1, 2, 3])
 def test_partial_acceptance_keeps_caches_and_context_exact(pair, monkeypatch, wrong):
     target, draft = pair
