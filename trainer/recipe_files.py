@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from trainer.training.recipe_types import QUOTE_LIMIT, quote, redacted
+from trainer.recipe_types import QUOTE_LIMIT, quote, redacted
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"

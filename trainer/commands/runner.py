@@ -27,8 +27,8 @@ import yaml
 
 from trainer.commands import kept_on_interrupt
 from trainer.console import DEBUG_FLAG, USER_ERROR_STATUS, close_progress_bars, describe
+from trainer.recipe_types import refuse_argv_credentials
 from trainer.training.preemption import TrainingInterrupted
-from trainer.training.recipe_types import refuse_argv_credentials
 from trainer.training.watchdog import watched_run
 
 SILENT_RANK_GRACE_SECONDS = 5.0

@@ -38,6 +38,8 @@ from typing import Any, TypedDict
 import httpx
 from transformers import PreTrainedTokenizerBase
 
+from trainer.recipe_types import API_KEY_VARIABLE
+
 logger = logging.getLogger(__name__)
 
 # Statuses a server answers while busy, restarting or behind a proxy: worth asking again.
@@ -45,7 +47,6 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # Statuses that refuse one request for what it asks (a prompt over the server's max_model_len).
 REFUSED_STATUSES = frozenset({400, 413, 422})
 PROBE_MESSAGES = [{"role": "user", "content": "Probe: 17 × 3 = 51, naïve café, 東京, \t tabs and  spaces."}]
-API_KEY_VARIABLE = "DFLASH2_ENDPOINT_API_KEY"
 
 
 class ServedModel(TypedDict):

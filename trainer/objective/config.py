@@ -10,7 +10,7 @@ import math
 from dataclasses import Field, dataclass, field
 from typing import Any
 
-from trainer.training.recipe_types import Rule, above, at_least, between, check_fields, one_of
+from trainer.recipe_types import Rule, above, at_least, between, check_fields, one_of
 
 LOSS_TYPES = ("ce", "dpace", "kd")
 DPACE_WEIGHTINGS = ("full", "prefix", "suffix")

@@ -4,15 +4,11 @@ Anchors are drawn uniformly without replacement among a row's valid positions (`
 so a fixed count spreads thinner as the supervised part grows: 512 anchors over a 30K-token answer
 put an anchor on one supervised position in 59, and three quarters of the positions then fall in
 no block at all. The rule keeps the 4K recipes' density, one anchor slot per 6 supervised tokens
-(512 for their 3,072-token answers), and `fitting_anchors` caps it at what one micro-batch row
+(512 for their 3,072-token answers), and `trainer.plan.memory.fitting_anchors` caps it at what one micro-batch row
 leaves room for on the planned GPUs. The context before the answer costs memory, not anchors.
 """
 
 from __future__ import annotations
-
-import dataclasses
-
-from trainer.plan.facts import DraftFacts, RunFacts, TargetFacts
 
 REFERENCE_SUPERVISED = 3072  # the 4K recipes' answers: max_new_tokens 3072 (prompts up to 1024)
 REFERENCE_ANCHORS = 512
@@ -32,7 +28,7 @@ def supervised_bound(data_args) -> int:
 def anchors_for_supervised(supervised: int) -> int:
     """One anchor slot per 6 supervised tokens (the 4K recipes' 512 for 3,072), rounded up to a
     multiple of 8, at least 16: the same share of a long sample's answer is trained as of a 4K
-    one. `fitting_anchors` then caps it at what the GPUs hold."""
+    one. `trainer.plan.memory.fitting_anchors` then caps it at what the GPUs hold."""
     if supervised < 1:
         raise ValueError(f"supervised tokens must be >= 1 (got {supervised})")
     anchors = -(-supervised // SUPERVISED_PER_ANCHOR)
@@ -52,21 +48,3 @@ def block_coverage(num_anchors: int, supervised: int, block_size: int) -> float:
     for index in range(min(block_size - 1, supervised)):
         missed *= max(supervised - chosen - index, 0) / (supervised - index)
     return 1.0 - missed
-
-
-def fitting_anchors(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memory_bytes: int, wanted: int) -> int:
-    """The most anchor slots, at most `wanted`, with which one micro-batch row fits (0 if even one
-    slot does not): every part grows with the slots, so a bisection finds it."""
-    from trainer.plan.memory import memory_parts  # memory imports this module
-
-    def fits(anchors: int) -> bool:
-        candidate = dataclasses.replace(run, num_anchors=anchors, micro_batch=1)
-        return sum(memory_parts(draft, target, candidate, 1).values()) <= gpu_memory_bytes
-
-    if not fits(1):
-        return 0
-    low, high = 1, wanted + 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.objective.config import selector_chunk_blocks
-from trainer.plan.anchors import fitting_anchors
 from trainer.plan.facts import (
     FP32,
     GIB,
@@ -655,3 +654,20 @@ def plan_run(
 
         check_engine_layers(draft.target_layer_ids, target.num_layers, run.distills)
     return plan_memory(draft, target, run, gpu_memory_bytes)
+
+
+def fitting_anchors(draft: DraftFacts, target: TargetFacts, run: RunFacts, gpu_memory_bytes: int, wanted: int) -> int:
+    """The most anchor slots, at most `wanted`, with which one micro-batch row fits (0 if even one
+    slot does not): every part grows with the slots, so a bisection finds it."""
+
+    def fits(anchors: int) -> bool:
+        candidate = dataclasses.replace(run, num_anchors=anchors, micro_batch=1)
+        return sum(memory_parts(draft, target, candidate, 1).values()) <= gpu_memory_bytes
+
+    if not fits(1):
+        return 0
+    low, high = 1, wanted + 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low

@@ -306,11 +306,15 @@ class Rehearsal:
         return check_functions.same_run(self.workspace / "run", resumed, REHEARSAL_STEPS)
 
     def export(self) -> str:
-        from trainer.commands.export import main as export_main  # the export exactly as users run it
+        # what `dflash2 export RUN EXPORT --target TARGET` does with its defaults (bf16, every rule)
+        from trainer.models.target import target_dimensions
+        from trainer.publishing.export import check_export_output, export_draft, load_trained_draft, training_record
 
-        output = export_main(
-            [str(self.workspace / "run"), str(self.workspace / "export"), "--target", str(self.workspace / "target")]
-        )
+        run, folder = self.workspace / "run", self.workspace / "export"
+        check_export_output(folder, False, source=run)
+        draft = load_trained_draft(run, None, torch.bfloat16)
+        target = target_dimensions(str(self.workspace / "target"), None, name=None)
+        output = export_draft(draft, folder, target=target, source=run, record=training_record(run))
         return f"{output}: the contract's config and tensor rules pass"
 
     def reload(self) -> str:

@@ -3,7 +3,7 @@
 A recipe is a flat YAML mapping whose keys are fields of `ModelArguments`, `DataArguments` and
 `DFlashTrainingArguments` (a `transformers.TrainingArguments`); `--key value` flags after the
 recipe path override it. Every value is converted to its field's type and checked against its declared
-range (`RULES`) or refused naming the key as written (`trainer.training.recipe_types`): YAML alone reads `1e-3` as a
+range (`RULES`) or refused naming the key as written (`trainer.recipe_types`): YAML alone reads `1e-3` as a
 string and `"false"` stays a (truthy) string. A URL with credentials (`http://user:password@host`) is refused before
 anything is recorded or logged: the endpoint's key goes in the environment (`DFLASH2_ENDPOINT_API_KEY`).
 """
@@ -22,8 +22,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from trainer.objective.config import OBJECTIVE_RULES, ObjectiveConfig, recipe_key
 from trainer.publishing.hub_ids import check_hub_id, check_hub_id_if_remote
 from trainer.recipe_files import read_recipe
-from trainer.training.precision import post_init_without_device_checks
-from trainer.training.recipe_types import (
+from trainer.recipe_types import (
     Rule,
     above,
     at_least,
@@ -37,6 +36,7 @@ from trainer.training.recipe_types import (
     quote,
     refuse_credentials,
 )
+from trainer.training.precision import post_init_without_device_checks
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -446,7 +446,7 @@ def parse_arguments(argv: list[str], default_recipe: Path | None = None):
     """(model, data, training) arguments from a YAML recipe (+ `--key value` overrides), or from flags alone.
 
     Both go through the same conversion of every value to its field's type and range check
-    (`trainer.training.recipe_types`), named by the key the user wrote.
+    (`trainer.recipe_types`), named by the key the user wrote.
     """
     if not argv and default_recipe is not None:
         argv = [str(default_recipe)]

@@ -15,6 +15,7 @@ from transformers import TrainingArguments
 
 from tests.support.distributed.tiny_setup import write_tiny_run
 from trainer.objective.config import ObjectiveConfig
+from trainer.recipe_types import quote
 from trainer.training.arguments import (
     ARGUMENT_CLASSES,
     RULES,
@@ -22,7 +23,6 @@ from trainer.training.arguments import (
     ModelArguments,
     parse_arguments,
 )
-from trainer.training.recipe_types import quote
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = Path(sys.executable).with_name("dflash2")

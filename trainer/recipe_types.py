@@ -30,6 +30,8 @@ FALSE_WORDS = frozenset({"false", "no", "off", "0", "f", "n"})
 QUOTE_HINT = " (YAML reads an unquoted no/off/false or yes/on/true as a boolean: quote the word)"
 INT_LIMIT = Decimal(2) ** 63
 NONE_TYPE = type(None)
+# the environment variable an endpoint client reads its API key from: never a recipe value
+API_KEY_VARIABLE = "DFLASH2_ENDPOINT_API_KEY"
 QUOTE_LIMIT = 80  # characters of a value an error message quotes
 # A URL's user information (`scheme://user:password@`): never echoed, recorded or logged.
 URL_CREDENTIALS = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#]+@")  # up to the last @ of the authority
@@ -92,8 +94,6 @@ def refuse_credentials(value: Any, label: str) -> None:
     (which publish uploads) and the logs: refused in one line naming `label`, without echoing it, pointing to the
     environment variable the endpoint client reads instead."""
     if has_credentials(value):
-        from trainer.data.endpoint import API_KEY_VARIABLE  # only on refusal: the parser stays light
-
         raise ValueError(
             f"{label}: a URL with a user name or password (scheme://user:password@host) is refused, as it would be "
             f"recorded in checkpoints, exports and logs: remove the credentials and put an endpoint's key in "
