@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,6 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from .ops_dflash2 import cast_to
-
-if TYPE_CHECKING:
-    from .modeling_dflash2 import DFlashDraftModel
 
 
 @dataclass(frozen=True)
@@ -208,7 +205,7 @@ def _verify(
 @torch.no_grad()
 def speculative_generate(
     target: nn.Module,
-    draft: DFlashDraftModel | None,
+    draft: nn.Module | None,  # a DFlashDraftModel
     input_ids: torch.LongTensor,
     max_new_tokens: int,
     stop_token_ids: list[int] | None,

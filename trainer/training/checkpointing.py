@@ -15,7 +15,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import Trainer
@@ -32,9 +32,6 @@ from trainer.training.checkpoints import (
 from trainer.training.finite import weights_are_finite
 from trainer.training.output_dir import check_fresh_start
 from trainer.training.resume_check import IDENTITY_KEY, check_unchanged, run_identity
-
-if TYPE_CHECKING:
-    from trainer.training.trainer import DFlash2Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ def resume_path(output_dir: Path, resume_from_checkpoint: str | bool | None, nee
 class Checkpointing:
     """The saves of one trainer; `staging` is set only while HF writes a checkpoint into it."""
 
-    def __init__(self, trainer: DFlash2Trainer) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.staging: Path | None = None
         self.last_checkpoint: Path | None = None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from transformers import Trainer
 
 from modeling_dflash2 import DFlash2DraftModel
 from trainer.publishing.contract import TargetDimensions
@@ -16,11 +18,8 @@ from trainer.publishing.export import export_draft
 from trainer.publishing.hub import publish
 from trainer.training import checkpointing
 
-if TYPE_CHECKING:
-    from trainer.training.trainer import DFlash2Trainer
 
-
-def draft_for_export(trainer: DFlash2Trainer) -> Any:
+def draft_for_export(trainer: Trainer) -> Any:
     """A plain DFlash2DraftModel with the trained weights (gathered under FSDP, LoRA merged)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer.is_fsdp_enabled:
@@ -32,7 +31,7 @@ def draft_for_export(trainer: DFlash2Trainer) -> Any:
     return model
 
 
-def export_and_publish(trainer: DFlash2Trainer, folder: Path, commit_message: str) -> Any:
+def export_and_publish(trainer: Trainer, folder: Path, commit_message: str) -> Any:
     """Export the current draft into `folder` and publish it as one commit (rank 0; every rank
     joins the gather under FSDP). Returns the commit, None on the other ranks."""
     draft = draft_for_export(trainer)
