@@ -66,86 +66,139 @@ class AtStep(TrainerCallback):
             self.on_end()
 
 
-def install(point: str, step: int) -> None:
-    staged = f"{STAGING_PREFIX}checkpoint-{step}/checkpoint-{step}/"
-    callbacks = []
-    if point == "weights":  # mid model.safetensors of the checkpoint
-        save = fault_on_write(safetensors.torch.save_file, lambda p: staged in p and p.endswith("model.safetensors"))
-        transformers.modeling_utils.safe_save_file = save
-    elif point == "optimizer":  # mid optimizer.pt
-        torch.save = fault_on_write(torch.save, lambda p: staged in p and p.endswith("optimizer.pt"))
-    elif point == "trainer_state":  # mid trainer_state.json, the last file HF writes
-        real = TrainerState.save_to_json
-        TrainerState.save_to_json = fault_on_write(real, lambda p: staged in p)
-    elif point == "manifest":  # everything written, the manifest half-written and not renamed
-        real_replace = os.replace
+def _weights(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Mid model.safetensors of the checkpoint."""
+    save = fault_on_write(safetensors.torch.save_file, lambda p: staged in p and p.endswith("model.safetensors"))
+    transformers.modeling_utils.safe_save_file = save
 
-        def replace(source, destination, *args, **kwargs):
-            if str(destination).endswith(f"{staged}{MANIFEST}"):
-                cut_in_half(source)
-                kill()
-            return real_replace(source, destination, *args, **kwargs)
 
-        os.replace = replace
-    elif point == "rename":  # complete and manifested, killed just before the rename into place
-        real_replace = os.replace
+def _optimizer(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Mid optimizer.pt."""
+    torch.save = fault_on_write(torch.save, lambda p: staged in p and p.endswith("optimizer.pt"))
 
-        def replace(source, destination, *args, **kwargs):
-            if str(source).endswith(staged.rstrip("/")):
-                kill()
-            return real_replace(source, destination, *args, **kwargs)
 
-        os.replace = replace
-    elif point == "rotation":  # half of an old checkpoint deleted by rotation
-        real_rmtree = shutil.rmtree
+def _trainer_state(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Mid trainer_state.json, the last file HF writes."""
+    real = TrainerState.save_to_json
+    TrainerState.save_to_json = fault_on_write(real, lambda p: staged in p)
 
-        def rmtree(path, *args, **kwargs):
-            if Path(path).name.startswith(TRASH_PREFIX) and Path(path).is_dir():
-                files = sorted(Path(path).iterdir())
-                for victim in files[: len(files) // 2]:
-                    victim.unlink()
-                kill()
-            return real_rmtree(path, *args, **kwargs)
 
-        shutil.rmtree = rmtree
-    elif point == "final_save":  # the run's own folder half replaced after the last step
-        real_replace = os.replace
+def _manifest(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Everything written, the manifest half-written and not renamed."""
+    real_replace = os.replace
 
-        def replace(source, destination, *args, **kwargs):
-            if ".saving-" in str(source) and Path(destination).name == "model.safetensors":
-                kill()
-            return real_replace(source, destination, *args, **kwargs)
+    def replace(source, destination, *args, **kwargs):
+        if str(destination).endswith(f"{staged}{MANIFEST}"):
+            cut_in_half(source)
+            kill()
+        return real_replace(source, destination, *args, **kwargs)
 
-        os.replace = replace
-    elif point == "enospc":  # the disk fills up in the middle of a checkpoint
-        real_save = torch.save
+    os.replace = replace
 
-        def save(obj, path, *args, **kwargs):
-            if staged in str(path) and str(path).endswith("optimizer.pt"):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            return real_save(obj, path, *args, **kwargs)
 
-        torch.save = save
-    elif point == "between_steps":
-        callbacks.append(AtStep(step, on_end=kill))
-    elif point in ("sigterm", "sigint"):
-        signum = signal.SIGTERM if point == "sigterm" else signal.SIGINT
-        callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signum)))
-    elif point == "sigterm_rank_1":  # under torchrun: only rank 1 is told; every rank must stop with it
-        if os.environ.get("RANK") == "1":
-            callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
-    elif point == "second_signal":  # SIGTERM during the step, then Ctrl-C during its checkpoint save
+def _rename(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Complete and manifested, killed just before the rename into place."""
+    real_replace = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        if str(source).endswith(staged.rstrip("/")):
+            kill()
+        return real_replace(source, destination, *args, **kwargs)
+
+    os.replace = replace
+
+
+def _rotation(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Half of an old checkpoint deleted by rotation."""
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(TRASH_PREFIX) and Path(path).is_dir():
+            files = sorted(Path(path).iterdir())
+            for victim in files[: len(files) // 2]:
+                victim.unlink()
+            kill()
+        return real_rmtree(path, *args, **kwargs)
+
+    shutil.rmtree = rmtree
+
+
+def _final_save(point: str, staged: str, step: int, callbacks: list) -> None:
+    """The run's own folder half replaced after the last step."""
+    real_replace = os.replace
+
+    def replace(source, destination, *args, **kwargs):
+        if ".saving-" in str(source) and Path(destination).name == "model.safetensors":
+            kill()
+        return real_replace(source, destination, *args, **kwargs)
+
+    os.replace = replace
+
+
+def _enospc(point: str, staged: str, step: int, callbacks: list) -> None:
+    """The disk fills up in the middle of a checkpoint."""
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if staged in str(path) and str(path).endswith("optimizer.pt"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+
+
+def _between_steps(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Killed after step `step`, between two steps."""
+    callbacks.append(AtStep(step, on_end=kill))
+
+
+def _signal(point: str, staged: str, step: int, callbacks: list) -> None:
+    """SIGTERM or SIGINT (Ctrl-C) at the start of step `step`."""
+    signum = signal.SIGTERM if point == "sigterm" else signal.SIGINT
+    callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signum)))
+
+
+def _sigterm_rank_1(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Under torchrun: only rank 1 is told; every rank must stop with it."""
+    if os.environ.get("RANK") == "1":
         callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
-        real_save = torch.save
 
-        def save(obj, path, *args, **kwargs):
-            if staged in str(path) and str(path).endswith("optimizer.pt"):
-                os.kill(os.getpid(), signal.SIGINT)
-            return real_save(obj, path, *args, **kwargs)
 
-        torch.save = save
-    else:
+def _second_signal(point: str, staged: str, step: int, callbacks: list) -> None:
+    """SIGTERM during the step, then Ctrl-C during its checkpoint save."""
+    callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if staged in str(path) and str(path).endswith("optimizer.pt"):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+
+
+FAULTS = {
+    "weights": _weights,
+    "optimizer": _optimizer,
+    "trainer_state": _trainer_state,
+    "manifest": _manifest,
+    "rename": _rename,
+    "rotation": _rotation,
+    "final_save": _final_save,
+    "enospc": _enospc,
+    "between_steps": _between_steps,
+    "sigterm": _signal,
+    "sigint": _signal,
+    "sigterm_rank_1": _sigterm_rank_1,
+    "second_signal": _second_signal,
+}
+
+
+def install(point: str, step: int) -> None:
+    if point not in FAULTS:
         raise SystemExit(f"unknown fault point {point}")
+    callbacks: list = []
+    FAULTS[point](point, f"{STAGING_PREFIX}checkpoint-{step}/checkpoint-{step}/", step, callbacks)
 
     base = train_script.DFlash2Trainer
 
