@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from modeling_dflash2.configuration_dflash2 import FIELD_BOUNDS, Bound, is_int
 from trainer.fileio import format_bytes, read_json_object
@@ -86,7 +86,7 @@ def bounds_violations(config: dict[str, Any]) -> list[str]:
     if hidden % dfc.get("conv_group_size", 1):
         failures.append(f"dflash_config.conv_group_size {dfc['conv_group_size']} must divide hidden_size {hidden}")
     ids = dfc.get("target_layer_ids")
-    depth = config.get("num_target_layers") or FIELD_BOUNDS["num_target_layers"].cap
+    depth = cast(int, config.get("num_target_layers") or FIELD_BOUNDS["num_target_layers"].cap)  # cap is set
     if not isinstance(ids, list) or not 1 <= len(ids) <= depth or not all(is_int(i) and 0 <= i < depth for i in ids):
         shown = ids if not isinstance(ids, list) or len(ids) <= 16 else f"a list of {len(ids)}"
         failures.append(f"dflash_config.target_layer_ids must be 1 to {depth} ids in [0, {depth}), got {shown!r}")

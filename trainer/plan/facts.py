@@ -245,7 +245,7 @@ def draft_facts(config: DFlash2Config) -> DraftFacts:
         intermediate_size=config.intermediate_size,
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,  # None: one per head
         head_dim=head_dim,
         vocab_size=config.vocab_size,
         block_size=settings.block_size,

@@ -60,7 +60,7 @@ class PooledMetrics:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = device
-        self.wide = accumulation_dtype(device)  # counts over a logging interval can pass 2^24
+        self.wide = accumulation_dtype(torch.device(device))  # counts over a logging interval can pass 2^24
         self.sums: dict[str, MetricTerms] = {"train": {}, "eval": {}}
 
     def add(self, mode: str, terms: MetricTerms) -> None:
