@@ -16,8 +16,11 @@ from modeling_dflash2 import DFlashDraftModel, SamplingSettings, SpeculativeOutp
 
 
 def with_stats(output: SpeculativeOutput | torch.Tensor) -> SpeculativeOutput:
-    """The output of a loop run with `return_stats=True` (without, the loop returns only the ids)."""
-    if not isinstance(output, SpeculativeOutput):
+    """The output of a loop run with `return_stats=True` (without, the loop returns only the ids).
+
+    Checked by "not a tensor", not by class: a draft loaded with `trust_remote_code` returns the
+    `SpeculativeOutput` of its own copy of the modeling files, a different class with the same fields."""
+    if isinstance(output, torch.Tensor):
         raise TypeError("the speculative loop returned token ids only: call it with return_stats=True")
     return output
 
