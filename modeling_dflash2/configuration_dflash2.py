@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from transformers import Qwen3Config
 
@@ -49,7 +49,7 @@ DFLASH_FIELDS = (
     "projector_type",
 )
 
-_warned_rope_types: set[str] = set()
+_warned_rope_types: set[object] = set()  # rope_type values warned about once (any config.json value)
 _SETTINGS_KEY = "_dflash_settings"  # where a DFlash2Config caches its resolved settings
 
 
@@ -180,7 +180,7 @@ class DFlashSettings:
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
 
-def _fail(field: str, rule: str, value: Any, structural: bool = False) -> None:
+def _fail(field: str, rule: str, value: Any, structural: bool = False) -> NoReturn:
     raise DFlashConfigError(field, rule, value, structural)
 
 

@@ -167,11 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
         drafts = {"untrained": type(trained)(trained.config).eval(), **drafts}
     thinking = thinking_settings(args.enable_thinking)
     for setting in thinking:
-        template_kwargs(target.tokenizer, setting)  # one line when the template has no thinking switch
+        template_kwargs(target.require_tokenizer(), setting)  # one line when the template has no thinking switch
     # a fresh selector is an exact unary no-op, so the untrained draft runs the unary path only
     decoding = {
         "temperature": args.temperature,
-        "stop_token_ids": sorted(end_of_turn_ids(target.tokenizer)),
+        "stop_token_ids": sorted(end_of_turn_ids(target.require_tokenizer())),
         "paths": args.paths,
         "skip_selector_for": ["untrained"],
         "top_p": args.top_p,
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.context_lengths:
         return long_context_main(args, target, drafts, texts, thinking, decoding, draft, output)
     selections = {
-        setting: select_prompts(target.tokenizer, texts, args.max_prompt_length, args.max_samples, setting)
+        setting: select_prompts(target.require_tokenizer(), texts, args.max_prompt_length, args.max_samples, setting)
         for setting in thinking
     }
     selection = next(iter(selections.values()))

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     if runs_target_here(data_args, regenerate_only):  # weights the planner says cannot fit are refused first
         check_target_fits(model_args, data_args, training_args)
     target = load_target(model_args, data_args, regenerate_only)
-    if regenerate_only:
+    if config is None:  # regenerate_only, the one case that reads no draft config
         train, evaluation = token_datasets(data_args, target)
         print(f"regenerated {len(train)} training and {len(evaluation) if evaluation else 0} evaluation samples")
         return

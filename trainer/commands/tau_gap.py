@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target = FrozenTarget.load(args.target, args.target_gguf_file)
     draft = load_draft(args.draft, expected=DRAFT_CLASSES).eval()
     selection = select_prompts(
-        target.tokenizer, benchmark_texts("heldout", args.held_out), args.max_prompt_length, args.max_samples
+        target.require_tokenizer(), benchmark_texts("heldout", args.held_out), args.max_prompt_length, args.max_samples
     )
     if not selection.prompts:
         raise ValueError(f"no held-out prompt fits in --max-prompt-length {args.max_prompt_length}")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         draft,
         selection.prompts,
         args.max_new_tokens,
-        sorted(end_of_turn_ids(target.tokenizer)),
+        sorted(end_of_turn_ids(target.require_tokenizer())),
         paths=args.paths,
         training_summary=training_summary(args.draft),
     )

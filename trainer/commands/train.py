@@ -51,7 +51,7 @@ def print_recipe_help(prog: str, doc: str | None) -> NoReturn:
     """A recipe command's `--help`: its docstring, then every recipe key (the fields of the argument
     dataclasses, as HfArgumentParser lists them), each also accepted as a `--key value` flag."""
     print(doc)
-    HfArgumentParser(ARGUMENT_CLASSES, prog=prog, usage=f"{prog} [RECIPE.yaml] [--key value ...]").print_help()
+    HfArgumentParser(ARGUMENT_CLASSES, prog=prog, usage=f"{prog} [RECIPE.yaml] [--key value ...]").print_help()  # type: ignore[arg-type]  # (DataClassType is a Protocol)
     raise SystemExit(0)
 
 

@@ -635,12 +635,14 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
     check_sample_counts(args)
     cache_root = cache_root_of(args)
     settings, endpoint = generation_settings(args), endpoint_settings(args)
+    conversations: Sequence  # the prompts or conversations the target answers (empty for a chat dataset)
     if args.dataset == "chitchat":
         if not args.regenerate:
             raise ValueError("dataset 'chitchat' holds prompts only: regenerate must be true")
         conversations, chat = [prompt_conversation(p, args.system_prompt) for p in chitchat_prompts()], None
     else:
-        chat, conversations = conversations_or_prompts(load_raw_dataset(args.dataset, args.dataset_split), args)
+        chat, prompts = conversations_or_prompts(load_raw_dataset(args.dataset, args.dataset_split), args)
+        conversations = [] if prompts is None else prompts  # None with a chat dataset, which is tokenized as is
     check_held_out(args.num_eval_samples, len(conversations if chat is None else chat), args.dataset)
     train_name, eval_name = f"dataset {args.dataset} (train)", f"dataset {args.dataset} (eval)"
 
@@ -658,7 +660,7 @@ def token_datasets(args, target: FrozenTarget | TargetTokenizer) -> tuple[datase
 
         def tokenized(rows: Sequence[int]) -> datasets.Dataset:
             return tokenize_conversations(
-                target.tokenizer,
+                target.require_tokenizer(),
                 chat.select(rows),
                 args.messages_column,
                 args.enable_thinking,
@@ -692,7 +694,9 @@ def build_datasets(args, target: FrozenTarget | TargetTokenizer, layer_ids: Sequ
     train, evaluation = token_datasets(args, target)
     if engine is not None and not args.offline:
         layout = EngineLayout(tuple(int(layer_id) for layer_id in layer_ids), target.hidden_size)
-        source = StreamSource.open(engine, target.tokenizer, layout, target.embedding_weight.dtype)
+        if not isinstance(target, FrozenTarget):  # the features stream in the dtype of its loaded embedding
+            raise ValueError("feature_endpoint with offline: false streams while training, which loads the target")
+        source = StreamSource.open(engine, target.require_tokenizer(), layout, target.embedding_weight.dtype)
         return StreamedFeatures(train, source), None if evaluation is None else StreamedFeatures(evaluation, source)
     if args.offline:
         dtype = store_dtype(args.offline_dtype)
@@ -700,6 +704,8 @@ def build_datasets(args, target: FrozenTarget | TargetTokenizer, layer_ids: Sequ
         def offline(tokens: datasets.Dataset) -> OfflineDataset:
             if engine is not None:
                 store = prepare_engine_features(engine, target, tokens, layer_ids, cache_root_of(args), dtype)
+            elif not isinstance(target, FrozenTarget):  # captured in process: the weights run here
+                raise ValueError("offline features without feature_endpoint are captured by the loaded target")
             else:
                 store = prepare_features(
                     target, tokens, layer_ids, cache_root_of(args), dtype, final_hidden=final_hidden

@@ -63,7 +63,7 @@ from trainer.data.feature_store import (
 )
 from trainer.fileio import check_safetensors_file, fsync_path, reporting_disk_full, write_file_atomically
 from trainer.locks import lock_cache_entry
-from trainer.models.target import TargetTokenizer
+from trainer.models.target import FrozenTarget, TargetTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def check_engine_layers(layer_ids: Sequence[int], num_layers: int, final_hidden:
 
 def prepare_engine_features(
     settings: FeatureEndpointSettings,
-    target: TargetTokenizer,
+    target: FrozenTarget | TargetTokenizer,
     dataset: datasets.Dataset,
     layer_ids: Sequence[int],
     cache_root: Path,
@@ -215,7 +215,7 @@ def _recovered_shards(staging: Path) -> list[dict[str, Any]]:
 
 async def _capture_through_engine(
     settings: FeatureEndpointSettings,
-    target: TargetTokenizer,
+    target: FrozenTarget | TargetTokenizer,
     dataset: datasets.Dataset,
     rows: list[int],
     layer_ids: Sequence[int],
@@ -226,7 +226,8 @@ async def _capture_through_engine(
     total = len(dataset)
     layout = EngineLayout(tuple(int(layer_id) for layer_id in layer_ids), target.hidden_size)
     async with EngineServers(settings, layout) as servers:
-        await servers.check(target.tokenizer, *probe_inputs(target.tokenizer))
+        tokenizer = target.require_tokenizer()
+        await servers.check(tokenizer, *probe_inputs(tokenizer))
         progress = tqdm(
             total=total,
             initial=total - len(rows),

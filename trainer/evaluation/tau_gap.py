@@ -102,7 +102,7 @@ def teacher_forced_acceptance(
         keep = torch.ones_like(anchor_ids, dtype=torch.bool)
     dtype = next(draft.parameters()).dtype
     # (FrozenTarget.capture has no overload saying that without final_hidden it returns one tensor)
-    features = target.capture(input_ids, None, draft.target_layer_ids).to(dtype)  # type: ignore[union-attr]
+    features = target.capture(input_ids, None, draft.target_layer_ids).to(dtype)
     recorder = _HiddenRecorder(draft)
     result = draft_objective(
         draft,

@@ -11,10 +11,9 @@ before anything loads (`check_attention_for_training`); its forward runs anywher
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from modeling_dflash2 import DFlash2Config, DFlash2DraftModel, DFlashDraftModel
 from trainer.fileio import read_json_object, require_existing_path
@@ -24,6 +23,9 @@ from trainer.objective.blocks import build_blocks, sample_anchors
 from trainer.objective.loss import embed_draft_ids
 from trainer.objective.masks import attention_masks
 from trainer.recipe_files import resolve_path
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 V1_INIT_FROM = "init_from is a DFlash v1 draft: give a DFlash2 draft_config for the new modules."
 NO_DRAFT = "draft_config is required (or init_from a DFlash2 checkpoint)."
@@ -78,11 +80,11 @@ def read_draft_config(model_args: Any, *, building: bool = True) -> tuple[DFlash
     raise ValueError(NO_DRAFT)
 
 
-def build_draft(model_args: Any) -> nn.Module:
+def build_draft(model_args: Any) -> DFlashDraftModel | PeftModel:
     """The recipe's draft: fresh, warm-started from `init_from`, and optionally wrapped with LoRA."""
     config, _ = read_draft_config(model_args)
     config._attn_implementation = model_args.attn_implementation
-    draft: nn.Module
+    draft: DFlashDraftModel | PeftModel
     if model_args.init_from:
         draft = warm_start(
             model_args.init_from, config, allow_block_size_change=model_args.init_allow_block_size_change

@@ -36,14 +36,14 @@ class PairViolation:
 
 def pair_violations(
     *,
-    hidden_size: int,
-    vocab_size: int,
-    target_layer_ids: Sequence[int],
-    num_target_layers: int | None,
+    hidden_size: object,
+    vocab_size: object,
+    target_layer_ids: object,
+    num_target_layers: object,
     target: TargetDimensions,
 ) -> list[PairViolation]:
-    """Every way the draft's fields do not fit `target` (empty when they fit). Fields that are not
-    integers are the config rules' to report, and are skipped here."""
+    """Every way the draft's fields do not fit `target` (empty when they fit). The fields may be raw
+    config.json values: ones that are not integers are the config rules' to report, and are skipped here."""
     found = []
     if is_int(hidden_size) and hidden_size != target.hidden_size:
         found.append(

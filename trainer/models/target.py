@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import nn
@@ -208,7 +208,9 @@ def _load_gguf_through_cache(source: TargetSource, dtype: torch.dtype, cache_roo
 
 def _convert_gguf(source: TargetSource, dtype: torch.dtype, converted: Path) -> None:
     logger.info("Converting %s/%s to a transformers checkpoint (once): %s", *source.__dict__.values(), converted)
-    model = AutoModelForCausalLM.from_pretrained(source.name_or_path, gguf_file=source.gguf_file, dtype=dtype)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        source.name_or_path, gguf_file=source.gguf_file, dtype=dtype
+    )
     tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, gguf_file=source.gguf_file)
     model = _dequantized_copy(model)
 
@@ -228,8 +230,12 @@ def target_dimensions(target: str, gguf_file: str | None = None, name: str | Non
 class TargetSizes:
     """The target's depth and width, from its text config (weights loaded or not)."""
 
-    text_config: PretrainedConfig
     runs_forward = True  # whether its decoder layers are here to run (capture, generate)
+
+    @property
+    def text_config(self) -> PretrainedConfig:
+        """The text part of the target's config (a multimodal target nests it)."""
+        raise NotImplementedError(f"{type(self).__name__} names no text config")
 
     @property
     def num_layers(self) -> int:
@@ -253,6 +259,10 @@ class TargetTokenizer(TargetSizes):
 
     def fingerprint(self) -> str:
         return self.source.fingerprint()
+
+    def require_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (always loaded here; `FrozenTarget.require_tokenizer` has the same shape)."""
+        return self.tokenizer
 
     @functools.cached_property
     def text_config(self) -> PretrainedConfig:
@@ -280,6 +290,12 @@ class FrozenTarget(TargetSizes):
         self.source = source
         self._packing_checked = False
 
+    def require_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, which `load` always sets; an in-memory target built without one cannot tokenize."""
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.source_name} was built without a tokenizer, and this step tokenizes")
+        return self.tokenizer
+
     @property
     def source_name(self) -> str:
         """How the target was named when loaded (or its config's name for an in-memory model)."""
@@ -296,7 +312,10 @@ class FrozenTarget(TargetSizes):
         private keys such as its path) and a checksum of its embedding and head."""
         if self.source is not None:
             return self.source.fingerprint()
-        weights = [float(self.embedding_weight.double().sum()), float(self.lm_head.weight.double().sum())]
+        weights = [
+            float(self.embedding_weight.double().sum()),
+            float(cast(torch.Tensor, self.lm_head.weight).double().sum()),
+        ]
         return digest({"config": config_identity(self.model.config), "weights": weights})
 
     @classmethod
@@ -322,7 +341,7 @@ class FrozenTarget(TargetSizes):
         return cls(model, tokenizer, source)
 
     @property
-    def text_config(self):
+    def text_config(self) -> PretrainedConfig:
         return self.model.config.get_text_config()
 
     @property
@@ -331,7 +350,8 @@ class FrozenTarget(TargetSizes):
 
     @property
     def embedding_weight(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
+        # an embedding module's `weight` is its Parameter (nn.Module.__getattr__ types it as Tensor | Module)
+        return cast(torch.Tensor, self.model.get_input_embeddings().weight)
 
     @property
     def lm_head(self) -> nn.Module:
@@ -363,6 +383,40 @@ class FrozenTarget(TargetSizes):
         """The backbone's `layers` ModuleList (Llama, Qwen, Mistral, Gemma...), or None if it has none."""
         layers = getattr(self.backbone, "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else None
+
+    @overload
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        full_depth: bool = False,
+        final_hidden: Literal[False] = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        full_depth: bool = False,
+        *,
+        final_hidden: Literal[True],
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        full_depth: bool = False,
+        final_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
     @torch.no_grad()
     def capture(
@@ -492,12 +546,12 @@ class FrozenTarget(TargetSizes):
             if target_sharding != "fsdp":
                 raise ValueError(f"target_sharding: {target_sharding!r}, but this target is already sharded (fsdp)")
             with _layers_detached(self.backbone):
-                self.model.to(device)
+                self.model.to(device)  # type: ignore[arg-type]  # (transformers' decorated .to)
             return
         if target_sharding == "fsdp" and world == 1:
             logger.warning("target_sharding: fsdp on a single process: the target stays whole on %s.", device)
         if target_sharding == "none" or world == 1:
-            self.model.to(device)
+            self.model.to(device)  # type: ignore[arg-type]  # (transformers' decorated .to)
             return
         layers = self.decoder_layers
         if layers is None:
@@ -509,7 +563,7 @@ class FrozenTarget(TargetSizes):
         from torch.distributed.fsdp import fully_shard
 
         with _layers_detached(self.backbone):
-            self.model.to(device)
+            self.model.to(device)  # type: ignore[arg-type]  # (transformers' decorated .to)
         mesh = init_device_mesh(device.type, (world,))
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)

@@ -353,8 +353,9 @@ def head_weight(output_head: nn.Module | torch.Tensor) -> torch.Tensor:
     return weight.detach()
 
 
-def configure_selector_training(draft: DFlashDraftModel, config: ObjectiveConfig) -> None:
-    """Configured alpha == 0: freeze the selector so it stays out of the optimizer."""
+def configure_selector_training(draft: nn.Module, config: ObjectiveConfig) -> None:
+    """Configured alpha == 0: freeze the selector so it stays out of the optimizer (`draft`: a draft,
+    or a PEFT wrapper of one, which forwards the attribute)."""
     selector = getattr(draft, "candidate_selector", None)
     if selector is not None:
         selector.requires_grad_(config.selector_enabled)

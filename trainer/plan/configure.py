@@ -10,10 +10,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, BatchEncoding, PretrainedConfig, PreTrainedTokenizerBase
 
 from modeling_dflash2 import DFlash2Config
 from trainer.models.target import TargetSource
@@ -185,7 +185,10 @@ def _chat_template_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ]
     ids: set[int] = set()
     for messages, prompt in ((conversation, False), (conversation[:2], True), (conversation[1:2], True)):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)
+        # return_dict=True (tokenizing, the default) gives a BatchEncoding: transformers types all the forms
+        encoded = cast(
+            BatchEncoding, tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)
+        )
         ids.update(encoded["input_ids"])
     return ids
 
@@ -425,7 +428,7 @@ def starter_recipe(
         body["num_anchors"] = anchors_for_supervised(answer)
         if size != "cpu":  # unset, evaluation would put an anchor on every valid position
             body["eval_num_anchors"] = body["num_anchors"]
-    if long_context:
+    if long_context and context_length is not None:  # (long_context implies a context_length)
         body.update(LONG_DATASET, num_train_samples=9744)  # its 10,000 conversations less the 256 held out
         rows = max(1, STEP_TOKENS // (8 * context_length))
         body.update(packing=False, per_device_train_batch_size=1, gradient_accumulation_steps=rows)

@@ -143,9 +143,10 @@ def _public_config(config: DFlash2Config, dtype: torch.dtype, is_causal: bool) -
         dfc["final_logit_softcapping"] = settings.final_logit_softcapping
     if settings.input_embedding_scale != 1.0:
         dfc["input_embedding_scale"] = settings.input_embedding_scale
+    written = config.dflash_config or {}
     for key in ("attention_mode", "projector_type"):
-        if key in (config.dflash_config or {}):
-            dfc[key] = config.dflash_config[key]
+        if key in written:
+            dfc[key] = written[key]
     public.update(
         architectures=["DFlash2DraftModel"],
         model_type="qwen3",
@@ -237,8 +238,8 @@ def config_violations(
     dfc = config.get("dflash_config")
     if not isinstance(dfc, dict):  # the config stopped at an earlier rule before reading it
         failures += [] if any(f.startswith("rule 3:") for f in failures) else [f"rule 3: dflash_config is {dfc!r}"]
-    if any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
-        return failures
+    if not isinstance(dfc, dict) or any(failure.startswith(STRUCTURAL_RULES) for failure in failures):
+        return failures  # (a dflash_config that is not a map broke rule 3, a structural rule)
     failures += _rule_5_never_emitted(config, dfc)
     failures += _rule_6_trained_block(dfc, expected_block_size)
     failures += _rule_11_served_logits(dfc)

@@ -25,6 +25,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
@@ -96,7 +97,7 @@ def tiny_target_config(config: PretrainedConfig) -> tuple[PretrainedConfig, list
     return type(config).from_dict(values), changes
 
 
-def tiny_target(config: PretrainedConfig, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+def tiny_target(config: PretrainedConfig, dtype: torch.dtype, seed: int = 0) -> PreTrainedModel:
     """A random causal LM of `config` (already tiny), in `dtype`."""
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).to(dtype)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -152,7 +153,7 @@ class Rehearsal:
         model = tiny_target(tiny_config, dtype, seed=int(self.training_args.seed))
         target_folder = self.workspace / "target"
         model.save_pretrained(target_folder)
-        vocab = model.get_input_embeddings().weight.shape[0]
+        vocab = cast(torch.Tensor, model.get_input_embeddings().weight).shape[0]  # an embedding's Parameter
         say(f"tiny target: {', '.join(target_changes)}; vocab kept ({vocab}); random weights")
         tokenizer, source = target_tokenizer(str(self.recipe.get("target")), offline=not self.online)
         if tokenizer is None:
@@ -222,7 +223,11 @@ class Rehearsal:
         else:
             raw = load_raw_dataset(data_args.dataset, data_args.dataset_split)
             chat, conversations = conversations_or_prompts(raw, data_args)
-            first = next(column_values(chat, data_args.messages_column)) if chat is not None else conversations[0]
+            first = (  # conversations_or_prompts gives the conversations whenever it gives no chat dataset
+                next(column_values(chat, data_args.messages_column))
+                if chat is not None
+                else cast(Sequence, conversations)[0]
+            )
             rows = f"{len(raw)} rows"
         samples = tokenize_chat_samples(tokenizer, first, data_args.enable_thinking)
         supervised_tokens = sum(sum(sample["loss_mask"]) for sample in samples)
@@ -340,7 +345,7 @@ class Rehearsal:
         train, _ = token_datasets(data_args, target)  # the answers are cached: nothing is generated again
         rows: Any = PackedDataset.pack(train, data_args.max_length, training_args.seed) if data_args.packing else train
         samples = [rows[index] for index in range(min(FLEX_ROWS, len(rows)))]
-        tokenizer = target.tokenizer
+        tokenizer = target.require_tokenizer()
         batch = DFlashCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)(samples)
         draft = DFlash2DraftModel.from_pretrained(self.workspace / "export", dtype=torch.float32)
         batch["target_hidden"] = target.capture(

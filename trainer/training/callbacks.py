@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from trainer.data.chat import end_of_turn_ids
 from trainer.evaluation.report import SpeculativeEvalCallback, prompt_ids
@@ -27,13 +28,16 @@ from trainer.training.exports import export_and_publish
 from trainer.training.preemption import PreemptionCallback
 from trainer.training.resume_check import apply_learning_rate
 
+if TYPE_CHECKING:
+    from trainer.training.trainer import DFlash2Trainer
+
 logger = logging.getLogger(__name__)
 
 
 class PushExportOnSaveCallback(TrainerCallback):
     """At every save, export the model being trained and publish it (one commit per save)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: DFlash2Trainer) -> None:
         self.trainer = trainer
 
     def on_save(self, args, state, control, **kwargs):
@@ -57,15 +61,15 @@ class ResumedLearningRateCallback(TrainerCallback):
         return control
 
 
-def pushes_every_save(trainer: Trainer) -> bool:
+def pushes_every_save(trainer: DFlash2Trainer) -> bool:
     return bool(trainer.args.push_to_hub and trainer.args.hub_strategy == "every_save")
 
 
-def runs_spec_eval(trainer: Trainer) -> bool:
+def runs_spec_eval(trainer: DFlash2Trainer) -> bool:
     return trainer.args.spec_eval_prompts > 0 and trainer.eval_dataset is not None
 
 
-def expected_callbacks(trainer: Trainer) -> list[type[TrainerCallback]]:
+def expected_callbacks(trainer: DFlash2Trainer) -> list[type[TrainerCallback]]:
     """The callback classes this trainer's arguments ask for (registered by `register_callbacks`)."""
     wanted: list[type[TrainerCallback]] = [PreemptionCallback, ResumedLearningRateCallback]
     if pushes_every_save(trainer):
@@ -75,7 +79,7 @@ def expected_callbacks(trainer: Trainer) -> list[type[TrainerCallback]]:
     return wanted
 
 
-def register_callbacks(trainer: Trainer) -> PreemptionCallback:
+def register_callbacks(trainer: DFlash2Trainer) -> PreemptionCallback:
     """Add this run's callbacks to `trainer`; returns the preemption callback (train() installs it)."""
     preemption = PreemptionCallback(trainer.args.process_index)
     trainer.add_callback(preemption)
@@ -83,8 +87,9 @@ def register_callbacks(trainer: Trainer) -> PreemptionCallback:
     if pushes_every_save(trainer):
         trainer.add_callback(PushExportOnSaveCallback(trainer))
     if runs_spec_eval(trainer):
-        count = min(trainer.args.spec_eval_prompts, len(trainer.eval_dataset))
-        prompts = [prompt_ids(trainer.eval_dataset[i]) for i in range(count)]
+        rows: Any = trainer.eval_dataset  # build_datasets' held-out rows: a sample dict per index
+        count = min(trainer.args.spec_eval_prompts, len(rows))
+        prompts = [prompt_ids(rows[i]) for i in range(count)]
         tokenizer = trainer.target.tokenizer
         stops = sorted(end_of_turn_ids(tokenizer)) if tokenizer is not None else None
         trainer.add_callback(SpeculativeEvalCallback(trainer, prompts, trainer.args.spec_eval_max_new_tokens, stops))

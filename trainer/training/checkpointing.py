@@ -15,7 +15,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import Trainer
@@ -30,8 +30,11 @@ from trainer.training.checkpoints import (
     staging_parent,
 )
 from trainer.training.finite import weights_are_finite
-from trainer.training.output_dir import check_fresh_start
+from trainer.training.output_dir import check_fresh_start, output_path
 from trainer.training.resume_check import IDENTITY_KEY, check_unchanged, run_identity
+
+if TYPE_CHECKING:
+    from trainer.training.trainer import DFlash2Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     rank must call it (the saving rank then writes it; the others drop their copy)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a model's state dict holds tensors (torch types it with the optimizer's values too)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)
 
 
 def resume_path(output_dir: Path, resume_from_checkpoint: str | bool | None, needs_optimizer: bool) -> str | None:
@@ -66,7 +71,7 @@ def resume_path(output_dir: Path, resume_from_checkpoint: str | bool | None, nee
 class Checkpointing:
     """The saves of one trainer; `staging` is set only while HF writes a checkpoint into it."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: DFlash2Trainer) -> None:
         self.trainer = trainer
         self.staging: Path | None = None
         self.last_checkpoint: Path | None = None
@@ -78,7 +83,7 @@ class Checkpointing:
         any weights load, `trainer.training.resume_check`), or None for a fresh start."""
         args = self.trainer.args
         self.learning_rate_changed = False
-        resume = resume_path(Path(args.output_dir), resume_from_checkpoint, needs_optimizer=not args.save_only_model)
+        resume = resume_path(output_path(args), resume_from_checkpoint, needs_optimizer=not args.save_only_model)
         if resume is not None:
             allowed = check_unchanged(Path(resume), self.recipe_record(), args.resume_allow_changes)
             self.learning_rate_changed = "learning_rate" in allowed
@@ -90,7 +95,7 @@ class Checkpointing:
 
     def last_good(self) -> str:
         """What a user still has when a save is refused or fails: the newest complete checkpoint."""
-        good = self.last_checkpoint or newest_complete_checkpoint(Path(self.trainer.args.output_dir))
+        good = self.last_checkpoint or newest_complete_checkpoint(output_path(self.trainer.args))
         return f"the last good checkpoint is {good}" if good else "there is no good checkpoint yet"
 
     def nothing_saved(self) -> str:
@@ -178,7 +183,7 @@ class Checkpointing:
         """The run's trainer_state.json, replaced in one rename (HF writes it in place)."""
         trainer = self.trainer
         if trainer.is_world_process_zero():
-            path = Path(trainer.args.output_dir) / "trainer_state.json"
+            path = output_path(trainer.args) / "trainer_state.json"
             with reporting_disk_full("the trainer state", path, kept="the previous trainer_state.json is kept"):
                 write_file_atomically(path, lambda temporary: trainer.state.save_to_json(str(temporary)))
 

@@ -215,10 +215,11 @@ def read_manifest(directory: Path) -> dict[str, tuple[int, str | None]]:
     files = manifest.get("files")
     if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not files:
         raise damaged(f'not a "{MANIFEST_FORMAT}" manifest with a map of files')
-    entries = {name: _entry(value) for name, value in files.items()}
-    bad = [name for name, entry in entries.items() if entry is None or not _safe_name(name)]
+    parsed = {name: _entry(value) for name, value in files.items()}
+    bad = [name for name, entry in parsed.items() if entry is None or not _safe_name(name)]
     if bad:
         raise damaged(f"the entry for {json.dumps(bad[0])[:80]} is not a file name with its size and {DIGEST}")
+    entries = {name: entry for name, entry in parsed.items() if entry is not None}  # all of them, as none is bad
     with_digest = [entry[1] is not None for entry in entries.values()]
     if any(with_digest):
         body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
@@ -367,8 +368,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """`checkpoint-N` directories, oldest step first."""
     if not run_dir.is_dir():
         return []
-    found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    return sorted(found, key=checkpoint_step)
+    steps = {p: step for p in run_dir.iterdir() if p.is_dir() and (step := checkpoint_step(p)) is not None}
+    return sorted(steps, key=steps.__getitem__)
 
 
 _SKIPS_SAID: set[tuple[str, str]] = set()

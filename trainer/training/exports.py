@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
-
-from transformers import Trainer
+from typing import TYPE_CHECKING, Any
 
 from modeling_dflash2 import DFlash2DraftModel
 from trainer.publishing.contract import TargetDimensions
 from trainer.publishing.export import export_draft
 from trainer.publishing.hub import publish
 from trainer.training import checkpointing
+from trainer.training.output_dir import output_path
+
+if TYPE_CHECKING:
+    from trainer.training.trainer import DFlash2Trainer
 
 
-def draft_for_export(trainer: Trainer) -> Any:
+def draft_for_export(trainer: DFlash2Trainer) -> Any:
     """A plain DFlash2DraftModel with the trained weights (gathered under FSDP, LoRA merged)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer.is_fsdp_enabled:
@@ -31,7 +33,7 @@ def draft_for_export(trainer: Trainer) -> Any:
     return model
 
 
-def export_and_publish(trainer: Trainer, folder: Path, commit_message: str) -> Any:
+def export_and_publish(trainer: DFlash2Trainer, folder: Path, commit_message: str) -> Any:
     """Export the current draft into `folder` and publish it as one commit (rank 0; every rank
     joins the gather under FSDP). Returns the commit, None on the other ranks."""
     draft = draft_for_export(trainer)
@@ -52,7 +54,7 @@ def export_and_publish(trainer: Trainer, folder: Path, commit_message: str) -> A
     }
     export_draft(draft, folder, target=dimensions, record=record, expected_block_size=draft.dflash.block_size)
     args = trainer.args
-    repo_id = args.hub_model_id or Path(args.output_dir).name
+    repo_id = args.hub_model_id or output_path(args).name
     return publish(
         folder, repo_id, private=args.hub_private_repo, token=trainer.hub_token, commit_message=commit_message
     )

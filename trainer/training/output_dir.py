@@ -24,11 +24,15 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from modeling_dflash2.checkpoint_dflash2 import REMOTE_CODE_FILES
 from trainer.fileio import SAVING_PREFIX, TEMPORARY_SUFFIX, fsync_path
 from trainer.locks import RUN_LOCK_NAME
 from trainer.training.checkpoints import STAGING_PREFIX, TRASH_PREFIX, checkpoint_step
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 # What a finished or checkpointed run leaves at the top of its output_dir (besides checkpoint-N):
 # any one of these means the folder holds a run's results.
@@ -72,6 +76,13 @@ def _is_leftover(path: Path) -> bool:
 def _by_step_then_name(path: Path) -> tuple[int, int, str]:
     step = checkpoint_step(path)
     return (0, step, "") if step is not None else (1, 0, path.name)
+
+
+def output_path(args: TrainingArguments) -> Path:
+    """The run's `output_dir` as a Path: HF's `__post_init__` fills in its default, so it is set once built."""
+    if args.output_dir is None:
+        raise ValueError("output_dir is not set")
+    return Path(args.output_dir)
 
 
 def run_results(output_dir: Path) -> list[Path]:

@@ -26,7 +26,7 @@ from trainer.plan.fit_check import check_run_fits
 from trainer.publishing.draft_gate import check_draft_for_target, load_draft_config
 from trainer.training.checkpoints import list_checkpoints, newest_complete_checkpoint
 from trainer.training.distributed import close_process_group
-from trainer.training.output_dir import check_sources, remove_run
+from trainer.training.output_dir import check_sources, output_path, remove_run
 from trainer.training.preemption import TrainingInterrupted
 from trainer.training.trainer import DFlash2Trainer
 from trainer.training.watchdog import start_watchdog
@@ -74,14 +74,17 @@ def interruption(trainer: DFlash2Trainer) -> TrainingInterrupted:
     the newest complete one, and the resume flag that continues from exactly that checkpoint: `true`
     when it is the newest, else its path. Nothing is hashed when the saved one is there: the grace
     period before a scheduler's SIGKILL is short."""
-    output_dir = Path(trainer.args.output_dir)
+    output_dir = output_path(trainer.args)
     saved = trainer.last_checkpoint if trainer.last_checkpoint and trainer.last_checkpoint.is_dir() else None
     checkpoint = saved or newest_complete_checkpoint(output_dir)
     newest = list_checkpoints(output_dir)[-1:] if saved else [checkpoint]
     resume = "true" if checkpoint is None or newest == [checkpoint] else str(checkpoint)
+    signum, step = trainer.preemption.signum, trainer.preemption.stopped_at_step
+    if signum is None or step is None:  # the callback sets both when a signal stops the run
+        raise ValueError("no signal stopped this run: there is no interruption to report")
     return TrainingInterrupted(
-        trainer.preemption.signum,
-        trainer.preemption.stopped_at_step,
+        signum,
+        step,
         str(checkpoint) if checkpoint else None,
         resume=resume,
         overwrite=trainer.args.overwrite_output_dir,
@@ -129,7 +132,7 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     # The untrained baseline comes from an evaluation at step 0 inside the training loop (an
     # evaluate() before train() cannot prepare an FSDP2 model without its optimizer).
     training_args.eval_on_start = eval_dataset is not None
-    tokenizer = target.tokenizer
+    tokenizer = target.require_tokenizer()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = DFlash2Trainer(
         model=draft,

@@ -14,11 +14,13 @@ import logging
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import TrainOutput
 
 from modeling_dflash2 import DFlashDraftModel
 from trainer.data.dataset import THINKING_GROUPS
@@ -26,7 +28,7 @@ from trainer.data.packing import sample_lengths
 from trainer.models.compile import compile_decoder_layers
 from trainer.models.target import FrozenTarget
 from trainer.objective.blocks import AnchorDraw
-from trainer.objective.config import selector_alpha_at
+from trainer.objective.config import ObjectiveConfig, selector_alpha_at
 from trainer.objective.loss import ObjectiveResult, RowGroups, configure_selector_training, draft_objective
 from trainer.training import cpu_fsdp
 from trainer.training.arguments import DFlashTrainingArguments
@@ -37,18 +39,25 @@ from trainer.training.exports import export_and_publish
 from trainer.training.finite import NonFiniteSteps
 from trainer.training.hf_hooks import check_hooks
 from trainer.training.objective_inputs import batch_anchors, target_features
+from trainer.training.output_dir import output_path
 from trainer.training.pooling import PooledMetrics, draw_step_anchors
 from trainer.training.precision import apply_at_launch, leave_draft_outputs_uncast
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
 
 class DFlash2Trainer(Trainer):
     loss_is_scaled_for_ga = True
+    # narrower than HF's declarations: __init__ refuses other arguments and always gets a model
+    args: DFlashTrainingArguments
+    model: nn.Module
 
     def __init__(
         self,
-        model: DFlashDraftModel,
+        model: DFlashDraftModel | PeftModel,
         args: DFlashTrainingArguments,
         target: FrozenTarget,
         target_hub_id: str | None = None,
@@ -61,7 +70,7 @@ class DFlash2Trainer(Trainer):
         if not isinstance(args, DFlashTrainingArguments):
             raise TypeError("DFlash2Trainer needs DFlashTrainingArguments (objective settings live there).")
         check_hooks()  # the private Trainer internals relied on (trainer.training.hf_hooks)
-        self.objective = args.objective_config()
+        self.objective: ObjectiveConfig = args.objective_config()
         configure_selector_training(model, self.objective)
         if args.torch_compile:
             compile_decoder_layers(model, args.torch_compile_backend, args.torch_compile_mode)
@@ -172,7 +181,7 @@ class DFlash2Trainer(Trainer):
             alpha=alpha,
             anchors=batch_anchors(inputs, self.args.eval_num_anchors),
             forward_module=model,
-            target_final_hidden=target_final.to(dtype) if distills else None,
+            target_final_hidden=target_final.to(dtype) if distills and target_final is not None else None,
             position_ids=inputs.get("position_ids"),
             row_groups=row_groups,
         )
@@ -190,18 +199,26 @@ class DFlash2Trainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial=None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """HF `train`, plus: leftovers of interrupted saves are cleaned up first, `True` resumes from
         the newest *complete* checkpoint (or starts fresh when there is none), a named checkpoint
         is checked before use and against the new run (`trainer.training.resume_check`, before any weights
         load), and SIGTERM/SIGINT save a checkpoint and stop (`self.preemption`)."""
         if self.args.should_save:
-            clean_leftovers(Path(self.args.output_dir))
+            clean_leftovers(output_path(self.args))
         self.accelerator.wait_for_everyone()
         resume = self.checkpointing.resume_point(resume_from_checkpoint)
         self.preemption.install()
         try:
-            return super().train(resume_from_checkpoint=resume, trial=trial, **kwargs)
+            return super().train(
+                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
         finally:
             self.preemption.uninstall()
 
@@ -218,7 +235,7 @@ class DFlash2Trainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The publishable draft and the recipe as JSON (`Checkpointing.save_draft`), then a push
         when asked (HF's own saves from inside a checkpoint or a push pass `_internal_call`)."""
-        self.checkpointing.save_draft(Path(output_dir or self.args.output_dir))
+        self.checkpointing.save_draft(Path(output_dir) if output_dir else output_path(self.args))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -229,8 +246,17 @@ class DFlash2Trainer(Trainer):
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Trainer would upload the raw checkpoint here; pushes go through `push_to_hub` instead."""
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
-        """Export the current draft (contract-validated) and publish it as one commit."""
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Export the current draft (contract-validated) and publish it as one commit, with the run's
+        own Hub settings (`hub_token`, `hub_private_repo`): HF's per-call arguments are not read."""
         with tempfile.TemporaryDirectory() as scratch:
             return export_and_publish(self, Path(scratch) / "export", commit_message or "End of training")
 
