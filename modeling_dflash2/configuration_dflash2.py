@@ -179,6 +179,20 @@ class DFlashSettings:
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
+    @property
+    def conv_sizes(self) -> tuple[int, int]:
+        """(conv_kernel_size, conv_group_size): resolved for every DFlash2 draft; a v1 draft has no convs."""
+        if self.conv_kernel_size is None or self.conv_group_size is None:
+            raise ValueError(f"a {self.architecture} draft has no convs (conv_kernel_size, conv_group_size)")
+        return self.conv_kernel_size, self.conv_group_size
+
+    @property
+    def selector_sizes(self) -> tuple[int, int]:
+        """(selector_rank, selector_top_k): resolved for every DFlash2 draft; a v1 draft has no selector."""
+        if self.selector_rank is None or self.selector_top_k is None:
+            raise ValueError(f"a {self.architecture} draft has no candidate selector (selector_rank, selector_top_k)")
+        return self.selector_rank, self.selector_top_k
+
 
 def _fail(field: str, rule: str, value: Any, structural: bool = False) -> NoReturn:
     raise DFlashConfigError(field, rule, value, structural)

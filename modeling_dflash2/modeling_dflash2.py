@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +147,10 @@ class DFlashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.layer_type = settings.layer_types[layer_idx]
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        kv_heads = config.num_key_value_heads
+        if kv_heads is None:  # (Qwen3Config.__post_init__ sets it to num_attention_heads)
+            kv_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = 0.0
         # Tells transformers' kernels never to impose their own causal pattern: visibility always
@@ -155,7 +158,7 @@ class DFlashAttention(nn.Module):
         self.is_causal = False
         self.block_causal = settings.layer_is_causal(layer_idx)
         self.sliding_window = settings.layer_sliding_window(layer_idx)
-        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        hidden, heads = config.hidden_size, config.num_attention_heads
         bias = bool(config.attention_bias)
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
@@ -272,7 +275,8 @@ class DFlash2GroupedDynamicConv(nn.Module):
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
-        self.kernel_projection._dflash_zero_init = True
+        # a plain flag: torch types Module.__setattr__ for tensors and modules only
+        self.kernel_projection._dflash_zero_init = True  # type: ignore[assignment]
 
     def identity_kernel(self) -> torch.Tensor:
         kernel = torch.zeros_like(self.base_kernel)
@@ -305,12 +309,8 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
         self.mlp_conv: DFlash2GroupedDynamicConv | None = None
         self.block_size = settings.block_size
         if settings.is_dflash2:
-            self.attention_conv = DFlash2GroupedDynamicConv(
-                config.hidden_size, settings.conv_kernel_size, settings.conv_group_size
-            )
-            self.mlp_conv = DFlash2GroupedDynamicConv(
-                config.hidden_size, settings.conv_kernel_size, settings.conv_group_size
-            )
+            self.attention_conv = DFlash2GroupedDynamicConv(config.hidden_size, *settings.conv_sizes)
+            self.mlp_conv = DFlash2GroupedDynamicConv(config.hidden_size, *settings.conv_sizes)
 
     def forward(
         self,
@@ -440,7 +440,11 @@ class DFlash2CandidateSelector(nn.Module):
     ) -> SelectorLattice:
         """All K x K transition scores of a block: hidden [b, T, H], unary [b, T, V], anchors [b].
         `candidates` (values, ids), when already computed, replaces `unary` and its top-K pass."""
-        candidate_unary, candidate_ids = candidates if candidates is not None else self.candidates(unary)
+        if candidates is None:
+            if unary is None:
+                raise ValueError("lattice needs the unary logits or the candidates computed from them")
+            candidates = self.candidates(unary)
+        candidate_unary, candidate_ids = candidates
         projected = self.hidden_projection(hidden)
         first = candidate_unary[:, 0] + self.transition(projected[:, 0], anchor_ids, candidate_ids[:, 0])
         conditioned = self.predecessor_codebook[candidate_ids[:, :-1]] * projected[:, 1:, None, :]
@@ -470,7 +474,9 @@ class DFlash2CandidateSelector(nn.Module):
         if temperature == 0:
             return DFlash2CandidateSelector._greedy_walk(lattice)
         batch, slots, top_k = lattice.candidate_ids.shape
-        rows, probs, picks = [], [], []
+        rows: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        picks: list[torch.Tensor] = []
         row = lattice.first_scores
         for slot in range(slots):
             if slot > 0:
@@ -527,7 +533,8 @@ class DFlashPreTrainedModel(PreTrainedModel):
     config: DFlash2Config
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules: ClassVar[list[str]] = ["DFlash2DecoderLayer"]
+    # a per-class constant (ruff's RUF012 wants ClassVar), which transformers declares an instance variable
+    _no_split_modules: ClassVar[list[str]] = ["DFlash2DecoderLayer"]  # type: ignore[misc]
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = False
@@ -598,7 +605,7 @@ class DFlashDraftModel(DFlashPreTrainedModel, SpeculativeDecodingMixin):
     def target_layer_ids(self) -> list[int]:
         return list(self.dflash.target_layer_ids)
 
-    def get_input_embeddings(self) -> None:
+    def get_input_embeddings(self) -> None:  # type: ignore[override]  # (transformers types it as never None)
         """The draft embeds with the target's embedding; it owns none."""
         return None
 
@@ -608,7 +615,7 @@ class DFlashDraftModel(DFlashPreTrainedModel, SpeculativeDecodingMixin):
 
     def forward(
         self,
-        position_ids: torch.LongTensor,
+        position_ids: torch.Tensor,
         noise_embedding: torch.Tensor,
         target_hidden: torch.Tensor,
         attention_mask: MaskLike = None,
@@ -680,15 +687,19 @@ class DFlashDraftModel(DFlashPreTrainedModel, SpeculativeDecodingMixin):
         # Let transformers report shape mismatches instead of raising its own nameless error; the
         # check below refuses them with the offending keys named.
         kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, output_loading_info=True, **kwargs
+        # output_loading_info=True makes it (model, info); transformers types only the model
+        model, info = cast(
+            tuple[DFlashDraftModel, dict[str, Any]],
+            super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, key_mapping=key_mapping, output_loading_info=True, **kwargs
+            ),
         )
         check_loaded_tensors(cls.__name__, info, model.dflash2_parameter_names())
         return (model, info) if want_info else model
 
     def dflash2_parameter_names(self) -> set[str]:
         """State-dict names of the DFlash2-only modules (convs and selector)."""
-        names = set()
+        names: set[str] = set()
         for prefix, module in self.named_modules():
             if isinstance(module, (DFlash2GroupedDynamicConv, DFlash2CandidateSelector)):
                 names.update(f"{prefix}.{name}" for name, _ in module.named_parameters())
@@ -713,7 +724,7 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def _build_dflash2_modules(self) -> None:
         self.candidate_selector = DFlash2CandidateSelector(
-            self.config.vocab_size, self.config.hidden_size, self.dflash.selector_rank, self.dflash.selector_top_k
+            self.config.vocab_size, self.config.hidden_size, *self.dflash.selector_sizes
         )
 
     def propose(
