@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,11 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from .ops_dflash2 import cast_to
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .configuration_dflash2 import DFlashSettings
 
 
 @dataclass(frozen=True)
@@ -86,20 +91,26 @@ class BlockProposals:
     probs: torch.Tensor | None = None
     candidate_ids: torch.Tensor | None = None
 
+    def sampled_probs(self) -> torch.Tensor:
+        """`probs`, which a sampled block carries (greedy proposals are never accepted by rejection)."""
+        if self.probs is None:
+            raise ValueError("greedy proposals carry no distribution to accept or reject them against")
+        return self.probs
+
     def probability_of_tokens(self) -> torch.Tensor:
         """q of each proposed token [n]."""
-        tokens = self.tokens[0]
+        tokens, probs = self.tokens[0], self.sampled_probs()
         if self.candidate_ids is None:
-            return self.probs[0].gather(-1, tokens[:, None])[:, 0]
-        return (self.probs[0] * (self.candidate_ids[0] == tokens[:, None])).sum(dim=-1)
+            return probs[0].gather(-1, tokens[:, None])[:, 0]
+        return (probs[0] * (self.candidate_ids[0] == tokens[:, None])).sum(dim=-1)
 
     def residual(self, target_probs: torch.Tensor, slot: int) -> torch.Tensor:
         """Where to draw after rejecting `slot`: (p - q)+ renormalised, or p if that is empty."""
-        residual = target_probs.clone()
+        residual, probs = target_probs.clone(), self.sampled_probs()
         if self.candidate_ids is None:
-            residual -= self.probs[0, slot]
+            residual -= probs[0, slot]
         else:
-            residual.scatter_add_(0, self.candidate_ids[0, slot], -self.probs[0, slot].to(residual.dtype))
+            residual.scatter_add_(0, self.candidate_ids[0, slot], -probs[0, slot].to(residual.dtype))
         residual.clamp_(min=0)
         total = residual.sum()
         return residual / total if total > 0 else target_probs
@@ -134,7 +145,7 @@ class SpeculativeOutput:
     prefill, is not a step. time_per_output_token is the decode time over num_output_tokens.
     """
 
-    output_ids: torch.LongTensor
+    output_ids: torch.Tensor  # [1, prompt + generated] token ids (long)
     num_input_tokens: int
     num_output_tokens: int
     time_to_first_token: float
@@ -179,9 +190,18 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
 
 
-def target_output_head(target: nn.Module) -> nn.Module:
+def target_embedding_weight(target: PreTrainedModel) -> torch.Tensor:
+    """The target's input embedding [V, H] (an embedding module's `weight` is its Parameter)."""
+    return cast(torch.Tensor, target.get_input_embeddings().weight)
+
+
+def target_output_head(target: PreTrainedModel) -> nn.Module:
     head = getattr(target, "lm_head", None)
-    return head if head is not None else target.get_output_embeddings()
+    if head is None:
+        head = target.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(target).__name__} has no LM head (lm_head or output embeddings) to verify with")
+    return head
 
 
 def _verify(
@@ -204,9 +224,9 @@ def _verify(
 
 @torch.no_grad()
 def speculative_generate(
-    target: nn.Module,
-    draft: nn.Module | None,  # a DFlashDraftModel
-    input_ids: torch.LongTensor,
+    target: PreTrainedModel,
+    draft: DraftModel | None,
+    input_ids: torch.Tensor,
     max_new_tokens: int,
     stop_token_ids: list[int] | None,
     sampling: SamplingSettings,
@@ -215,7 +235,7 @@ def speculative_generate(
     return_stats: bool = False,
     use_selector: bool = True,
     generator: torch.Generator | None = None,
-) -> torch.LongTensor | SpeculativeOutput:
+) -> torch.Tensor | SpeculativeOutput:
     """z-lab's decoding loop (`dflash_generate`) for one sequence.
 
     After the prompt's prefill, each step drafts the block `[anchor, mask x (n - 1)]`, the anchor
@@ -236,7 +256,7 @@ def speculative_generate(
         block_size = draft.block_size if draft is not None else 1
     if (draft is None and block_size != 1) or (draft is not None and not 1 <= block_size <= draft.block_size):
         raise ValueError(f"block_size {block_size} needs a draft of at least that block size (1 = target alone).")
-    device = target.get_input_embeddings().weight.device
+    device = target_embedding_weight(target).device
     prompt_length = input_ids.shape[1]
     max_length = prompt_length + max_new_tokens
     output_ids = torch.full(
@@ -245,8 +265,9 @@ def speculative_generate(
     output_ids[:, :prompt_length] = input_ids
     positions = torch.arange(max_length + 1, device=device)[None]
     stops = torch.tensor(sorted(set(stop_token_ids or ())), dtype=torch.long, device=device)
-    drafting = block_size > 1
-    layer_ids = draft.target_layer_ids if drafting else []
+    drafter = draft if block_size > 1 else None  # (checked above: a block over 1 has a draft)
+    drafting = drafter is not None
+    layer_ids = drafter.target_layer_ids if drafter is not None else []
     target_cache = _rollback_cache(target.config)
     draft_cache = DynamicCache() if drafting else None
 
@@ -271,8 +292,9 @@ def speculative_generate(
         size = min(block_size, max_length - start)
         block_ids = output_ids[:, start : start + size].clone()
         proposals = None
-        if size > 1:
-            proposals = draft.draft_block(
+        # all three are set whenever size > 1 (block_size > 1: drafting, with the prefill's context)
+        if size > 1 and drafter is not None and context is not None and draft_cache is not None:
+            proposals = drafter.draft_block(
                 target,
                 context,
                 block_ids,
@@ -318,13 +340,59 @@ def speculative_generate(
     )
 
 
+class DraftModel(Protocol):
+    """What decoding uses of a draft: a `DFlashDraftModel` (this mixin's methods, and what it supplies)."""
+
+    dflash: DFlashSettings
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def mask_token_id(self) -> int: ...
+
+    @property
+    def target_layer_ids(self) -> list[int]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor: ...
+
+    def draft_block(
+        self,
+        target: PreTrainedModel,
+        context: torch.Tensor,
+        block_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Cache,
+        sampling: SamplingSettings,
+        use_selector: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> BlockProposals: ...
+
+    def block_proposals(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        output_head: nn.Module | torch.Tensor,
+        sampling: SamplingSettings,
+        use_selector: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> BlockProposals: ...
+
+
 class SpeculativeDecodingMixin:
     """`spec_generate` and the drafting step it calls once per block, for `DFlashDraftModel`
     (which supplies `dflash`, `dtype`, `compute_logits` and its forward)."""
 
     def draft_block(
-        self,
-        target: nn.Module,
+        self: DraftModel,
+        target: PreTrainedModel,
         context: torch.Tensor,
         block_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -337,7 +405,7 @@ class SpeculativeDecodingMixin:
         embedded with the target's embedding, attending to `context` (target features of the
         newly verified tokens [1, c, n_layers * H]) and to the earlier context in `cache`, which
         keeps only the context afterwards. Proposes tokens for the n - 1 slots after the anchor."""
-        embedding = target.get_input_embeddings().weight
+        embedding = target_embedding_weight(target)
         noise = F.embedding(block_ids, embedding) * self.dflash.input_embedding_scale
         hidden = self(
             position_ids=position_ids,
@@ -352,7 +420,7 @@ class SpeculativeDecodingMixin:
         )
 
     def block_proposals(
-        self,
+        self: DraftModel,
         hidden: torch.Tensor,
         anchor_ids: torch.Tensor,
         output_head: nn.Module | torch.Tensor,
@@ -369,9 +437,9 @@ class SpeculativeDecodingMixin:
         return BlockProposals(draw(probs, generator), probs)
 
     def spec_generate(
-        self,
-        target: nn.Module,
-        input_ids: torch.LongTensor,
+        self: DraftModel,
+        target: PreTrainedModel,
+        input_ids: torch.Tensor,
         max_new_tokens: int,
         stop_token_ids: list[int] | None,
         temperature: float = 0.0,
@@ -381,7 +449,7 @@ class SpeculativeDecodingMixin:
         return_stats: bool = False,
         use_selector: bool = True,
         generator: torch.Generator | None = None,
-    ) -> torch.LongTensor | SpeculativeOutput:
+    ) -> torch.Tensor | SpeculativeOutput:
         """Speculative decoding with `target` (a transformers causal LM): z-lab's call and result.
 
         Returns the ids [1, prompt + generated]: at most `max_new_tokens` new tokens, ending after

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from transformers import PreTrainedModel
 
 from modeling_dflash2 import DFlashDraftModel, SamplingSettings, SpeculativeOutput, speculative_generate
 
@@ -45,7 +45,7 @@ class SpeculativeResult:
 
 
 def spec_generate(
-    target: nn.Module,
+    target: PreTrainedModel,
     draft: DFlashDraftModel,
     input_ids: torch.Tensor,
     *,
@@ -62,7 +62,7 @@ def spec_generate(
     so a positional call written for one would swap two arguments of the other silently."""
     output = draft.spec_generate(
         target,
-        input_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
+        input_ids,
         max_new_tokens=max_new_tokens,
         stop_token_ids=stop_token_ids,
         temperature=temperature,
@@ -76,7 +76,7 @@ def spec_generate(
 
 
 def target_generate(
-    target: nn.Module,
+    target: PreTrainedModel,
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
@@ -91,7 +91,7 @@ def target_generate(
     output = speculative_generate(
         target,
         None,
-        input_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
+        input_ids,
         max_new_tokens,
         stop_token_ids,
         SamplingSettings(temperature, top_p, top_k),

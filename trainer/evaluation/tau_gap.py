@@ -168,7 +168,7 @@ def decode_and_force(
     output = with_stats(
         draft.spec_generate(
             target.model,
-            prompt_ids,  # type: ignore[arg-type]  # (modeling_dflash2 annotates input_ids as LongTensor)
+            prompt_ids,
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop_token_ids,
             return_stats=True,
