@@ -10,28 +10,35 @@ the local stand-in) with their own HF_HOME (no default accelerate config) and ca
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
+import torch
 import yaml
 from transformers import AutoConfig
 
-from modeling_dflash2 import DFlash2Config
+from modeling_dflash2 import DFlash2Config, DFlash2DraftModel
 from trainer.commands import configure
 from trainer.commands import rehearse as command
 from trainer.commands.runner import run
 from trainer.data.chat import tokenize_chat
+from trainer.data.dataset import DFlashCollator, tokenize_conversations, truncate_and_filter
+from trainer.models.target import FrozenTarget
 from trainer.rehearsal import run as rehearsal_run
 from trainer.rehearsal.architecture import stand_in_tokenizer, tiny_draft_values, tiny_target_config
 from trainer.rehearsal.data import shortest
-from trainer.rehearsal.launch import failure_line
+from trainer.rehearsal.launch import Launched, failure_line
 from trainer.rehearsal.limits import NOT_CHECKED_ON_CPU, gpu_only_keys
 from trainer.rehearsal.recipe import rewrite_recipe
 from trainer.rehearsal.run import Rehearsal
+from trainer.training.arguments import DFlashTrainingArguments
+from trainer.training.trainer import DFlash2Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).with_name("dflash2")
@@ -120,30 +127,60 @@ def test_the_qwen3_8b_recipe_rehearses_on_two_fsdp2_ranks(tmp_path):
     )
 
 
-def test_the_qwen3_6_27b_recipe_rehearses_its_hybrid_target(tmp_path):
-    result = rehearse(
-        tmp_path,
-        "examples/recipes/qwen3.6-27b-fsdp2.yaml",
-        "--ranks",
-        "2",
-        "--accelerate-config",
-        FSDP2,
-        "--target",
-        str(TARGETS / "qwen3.6-27b"),
-        "--gpu-memory-gb",
-        "141",
+def prepared(tmp_path: Path, *argv: str) -> Rehearsal:
+    """A rehearsal run in process up to its launch: the real sizes' checks and the tiny models, data
+    and recipe (what `dflash2 rehearse` does before `accelerate launch`)."""
+    rehearsal = Rehearsal(command.parse([*argv, "--output", str(tmp_path / "rehearsal")]))
+    assert rehearsal.prepare()
+    return rehearsal
+
+
+def trained_losses(target: FrozenTarget, rows, draft_file: Path, output_dir: Path) -> list[float]:
+    """Two optimizer steps of the tiny draft on `target` (its features captured online), their losses."""
+    torch.manual_seed(0)
+    draft = DFlash2DraftModel(DFlash2Config.from_json_file(draft_file))
+    values = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, learning_rate=5e-3)
+    values.update(logging_steps=1, save_strategy="no", num_anchors=8, report_to=[], use_cpu=True)
+    trainer = DFlash2Trainer(
+        model=draft,
+        args=DFlashTrainingArguments(**values, dataloader_num_workers=0),
+        target=target,
+        train_dataset=rows,
+        data_collator=DFlashCollator(target.require_tokenizer().pad_token_id),
     )
-    checks = assert_every_check_passed(result)
-    out = result.stdout
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_the_qwen3_6_27b_recipe_rehearses_its_hybrid_target(tmp_path, capsys, monkeypatch):
+    """In process up to the launch: the hybrid architecture, its rewrite and its 141 GiB plan; then the
+    tiny hybrid target (linear attention layers) captures for two real optimizer steps."""
+    monkeypatch.chdir(REPO)
+    argv = ["examples/recipes/qwen3.6-27b-fsdp2.yaml", "--ranks", "2", "--accelerate-config", FSDP2]
+    rehearsal = prepared(tmp_path, *argv, "--target", str(TARGETS / "qwen3.6-27b"), "--gpu-memory-gb", "141")
+    out = capsys.readouterr().out
+    checks = check_lines(out)
+    assert list(checks) == ["config rules", "memory plan"] and all(v.startswith("ok") for v in checks.values())
     assert "64 layers: 48 linear_attention + 16 full_attention, 24/4 heads" in out
     assert "linear_num_key_heads 16 -> 4, linear_num_value_heads 48 -> 12; vocab kept (248320)" in out
     assert "sliding_window 2048 -> 24" in out
     assert "fits on 8 x 141.0 GiB" in checks["memory plan"]
-    tiny = AutoConfig.from_pretrained(tmp_path / "rehearsal" / "target")
+    assert "changed: accelerate num_processes 8 -> 2 (--ranks)" in out and rehearsal.fsdp
+    workspace = tmp_path / "rehearsal"
+    tiny = AutoConfig.from_pretrained(workspace / "target")
     assert tiny.layer_types == AutoConfig.from_pretrained(TARGETS / "qwen3.6-27b").layer_types
+    target = FrozenTarget.load(str(workspace / "target"), dtype=torch.float32)
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
+    chats = datasets.Dataset.from_json(str(workspace / "data.jsonl")).select(range(8))
+    rows = truncate_and_filter(tokenize_conversations(target.require_tokenizer(), chats), 64)
+    losses = trained_losses(target, rows, workspace / "draft.json", tmp_path / "run")
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), losses
 
 
-def test_the_configure_starter_recipe_rehearses_packed_and_checkpointed(tmp_path):
+def test_the_configure_starter_recipe_rehearses_packed_and_checkpointed(tmp_path, capsys, monkeypatch):
+    """configure's GPU recipe (packing, activation checkpointing, no eval_num_anchors) prepared in
+    process; its flex_attention forward runs on packed rows of the tiny target's own answers."""
+    monkeypatch.chdir(REPO)
     folder = tmp_path / "starter"
     (folder / "qwen3-8b").mkdir(parents=True)
     shutil.copyfile(REPO / "tests/fixtures/target_configs/qwen3-8b.json", folder / "qwen3-8b" / "config.json")
@@ -165,32 +202,63 @@ def test_the_configure_starter_recipe_rehearses_packed_and_checkpointed(tmp_path
             "gpu",
         ]
     )
-    result = rehearse(tmp_path, str(recipe), "--accelerate-config", FSDP2)
-    checks = assert_every_check_passed(result)
-    rehearsal = yaml.safe_load((tmp_path / "rehearsal" / "recipe.yaml").read_text())
-    assert rehearsal["packing"] is True and rehearsal["activation_checkpointing"] is True
-    assert "packed rows" in checks["flex_attention forward"]
-    assert checks["two optimizer steps"].startswith("ok (FSDP2 on 1 gloo rank(s)")
+    capsys.readouterr()
+    rehearsal = prepared(tmp_path, str(recipe), "--accelerate-config", FSDP2)
+    out = capsys.readouterr().out
+    checks = check_lines(out)
+    assert list(checks) == ["config rules", "memory plan"] and all(v.startswith("ok") for v in checks.values())
+    workspace = tmp_path / "rehearsal"
+    rehearsed = yaml.safe_load((workspace / "recipe.yaml").read_text())
+    assert rehearsed["packing"] is True and rehearsed["activation_checkpointing"] is True
+    # 8 micro-batches a step: 2 accumulate all the same, at a quarter of the CPU's forwards and backwards
+    assert "changed: gradient_accumulation_steps 8 -> 2 (2 micro-batches a step accumulate as more do" in out
+    assert rehearsed["gradient_accumulation_steps"] == 2 and rehearsed["num_train_samples"] == 4
+    assert "changed: accelerate num_processes 8 -> 1 (--ranks)" in out and rehearsal.fsdp
+    # what export writes for the flex check to load: the tiny draft (untrained: the kernels' gap is the check)
+    DFlash2DraftModel(DFlash2Config.from_json_file(workspace / "draft.json")).save_pretrained(workspace / "export")
+    assert rehearsal.checks.run("flex_attention forward", rehearsal.flex_forward)
+    assert "packed rows" in check_lines(capsys.readouterr().out)["flex_attention forward"]
 
 
-def test_a_packed_recipe_on_the_hybrid_target_fails_at_its_launch_with_the_rank_s_line(tmp_path):
+def test_a_packed_recipe_on_the_hybrid_target_fails_at_its_launch_with_the_rank_s_line(tmp_path, capsys, monkeypatch):
     """packing: true on Qwen3.6's linear-attention layers: the run refuses it once the target is
-    loaded, so the rehearsal's launch fails with that line and what needs a trained run is not
-    checked; the memory plan of the packed rows fails too."""
+    loaded (the run's own check, on the rehearsal's tiny target), so the rehearsal's launch fails with
+    that line and what needs a trained run is not checked; the memory plan of the packed rows fails too.
+    The launch is the one piece not run here: it ends as that refusal's launch does (exit 1, the line in
+    its log); the 8B rehearsal launches for real, and `failure_line` is proven below."""
+    monkeypatch.chdir(REPO)
     recipe = yaml.safe_load((REPO / "examples/recipes/qwen3.6-27b-fsdp2.yaml").read_text())
     recipe.update(packing=True, target=str(TARGETS / "qwen3.6-27b"))
     (tmp_path / "packed.yaml").write_text(yaml.safe_dump(recipe))
-    result = rehearse(tmp_path, str(tmp_path / "packed.yaml"), "--accelerate-config", FSDP2, "--gpu-memory-gb", "141")
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    checks = check_lines(result.stdout)
-    assert checks["dataset + chat template"].startswith("ok") and checks["regeneration"].startswith("ok")
+    rehearsal = prepared(
+        tmp_path, str(tmp_path / "packed.yaml"), "--accelerate-config", FSDP2, "--gpu-memory-gb", "141"
+    )
+    workspace = tmp_path / "rehearsal"
+    target = FrozenTarget.load(str(workspace / "target"), dtype=torch.float32)
+    layer_ids = DFlash2Config.from_json_file(workspace / "draft.json").dflash_settings.target_layer_ids
+    with pytest.raises(ValueError) as refused:
+        target.check_packing(layer_ids)  # what `trainer train` runs once the target is loaded
+    assert str(refused.value).startswith("packing: true: Qwen3_5ForCausalLM lets packed")
+
+    def refused_launch(accelerate_config, recipe, extra, log, deadline_s, fsdp):
+        assert (accelerate_config, recipe, fsdp) == (rehearsal.accelerate_file, rehearsal.rehearsal_recipe, True)
+        log.write_text(f"Loading weights\nerror: {refused.value}\nTraceback\nCalledProcessError: exit 1\n")
+        return Launched(1, log, 1.0)
+
+    monkeypatch.setattr(rehearsal_run, "launch", refused_launch)
+    rehearsal.checks.run("dataset + chat template", rehearsal.data_check)
+    rehearsal.launched_checks()
+    assert rehearsal.finish() == 1
+    out = capsys.readouterr().out
+    checks = check_lines(out)
+    assert checks["dataset + chat template"].startswith("ok")
     failed = checks["two optimizer steps"]
     assert failed.startswith("FAILED: the training launch failed: error: packing: true: Qwen3_5ForCausalLM lets packed")
     for name in ("checkpoint", "resume", "export", "reload", "flex_attention forward"):
         assert checks[name].startswith("not checked here: needs "), checks[name]
     # packed, a 4096-token row's worst case of block slots is far larger than 512: the plan says so too
     assert checks["memory plan"].startswith("FAILED: the real run does not fit: ")
-    assert "rehearse: 3 passed, 2 failed" in result.stdout
+    assert "rehearse: 2 passed, 2 failed" in out
 
 
 def test_a_recipe_whose_draft_would_not_export_is_a_failed_check_and_exit_1(tmp_path, capsys):
@@ -303,6 +371,25 @@ def test_the_rewritten_recipe_changes_only_what_it_says(tmp_path):
     assert "changed: num_train_samples 100000 -> 8 (enough for two steps)" in rewrite.changes
     kept = ("bf16", "target_dtype", "target_sharding", "packing", "loss_chunk_blocks", "dataloader_num_workers")
     assert all(rewrite.values.get(key) == recipe.get(key) for key in kept)
+
+
+def test_a_long_gradient_accumulation_is_rehearsed_over_two_micro_batches(tmp_path):
+    """Two micro-batches a step exercise accumulation as eight do; the six more would each be a
+    forward and backward of every rehearsed step on a CPU (the starter recipe's 8 made its rehearsal
+    twice the 8B recipe's)."""
+    recipe = yaml.safe_load((REPO / "examples/recipes/qwen3-8b-fsdp2.yaml").read_text())
+    recipe["gradient_accumulation_steps"] = 8
+    common = dict(workspace=tmp_path, target="T", draft_config="D", dataset="d.jsonl", dataset_note="stand-in")
+    rewrite = rewrite_recipe(recipe, world=1, keep_endpoint=False, **common)
+    assert rewrite.values["gradient_accumulation_steps"] == 2 and rewrite.values["num_train_samples"] == 4
+    assert [line for line in rewrite.changes if "gradient_accumulation_steps" in line] == [
+        "changed: gradient_accumulation_steps 8 -> 2 (2 micro-batches a step accumulate as more do; each more "
+        "costs a forward and backward on a CPU)"
+    ]
+    recipe["gradient_accumulation_steps"] = 2  # already short: kept, nothing said
+    rewrite = rewrite_recipe(recipe, world=1, keep_endpoint=False, **common)
+    assert rewrite.values["gradient_accumulation_steps"] == 2
+    assert not any("gradient_accumulation_steps" in line for line in rewrite.changes)
 
 
 def test_the_shortest_rows_are_kept_in_their_order():

@@ -2,7 +2,8 @@
 machine changed, each change said as `changed: key old -> new (why)`.
 
 Every key not named here is kept as written (bf16, target_dtype, target_sharding, packing,
-activation checkpointing, torch_compile, num_anchors, loss_chunk_blocks, dataloader workers, ...).
+activation checkpointing, torch_compile, loss_chunk_blocks, dataloader workers, ...); a gradient
+accumulation over 2 micro-batches is lowered to 2, which accumulates all the same.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ MAX_LENGTH = 128
 ANCHOR_SLOTS = 64
 MAX_NEW_TOKENS = 16
 MICRO_BATCH = 1
+ACCUMULATION = 2
 EVAL_SAMPLES = 2
 # report_to integrations that write only local files; the others need an account or a network
 LOCAL_REPORTERS = ("tensorboard", "none")
@@ -79,6 +81,14 @@ def rewrite_recipe(
         rewrite.set("lora_r", None, "LoRA adapts the warm-started draft, which the tiny run does not load")
     rewrite.set("dataset", dataset, dataset_note)
     micro = min(int(rewrite.values.get("per_device_train_batch_size", 8)), MICRO_BATCH)
+    # two micro-batches a step accumulate as eight do; each more is a forward and backward (and, with
+    # activation checkpointing, a second forward) of every step, the first launch's and the resumed one's
+    rewrite.clip(
+        "gradient_accumulation_steps",
+        ACCUMULATION,
+        1,
+        f"{ACCUMULATION} micro-batches a step accumulate as more do; each more costs a forward and backward on a CPU",
+    )
     accumulation = int(rewrite.values.get("gradient_accumulation_steps", 1))
     rewrite.clip("num_train_samples", train_samples(world, micro, accumulation), None, "enough for two steps")
     if int(rewrite.values.get("num_eval_samples", 0)) > EVAL_SAMPLES:

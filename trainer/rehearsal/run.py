@@ -365,6 +365,13 @@ class Rehearsal:
     # -- the whole rehearsal ---------------------------------------------------------------------
 
     def run(self) -> int:
+        if self.prepare():
+            self.tiny_run()
+        return self.finish()
+
+    def prepare(self) -> bool:
+        """Everything before the tiny run: the real sizes' checks (config rules, memory plan) and the
+        tiny models, data and recipe. False when the draft config cannot be read (its failed check)."""
         from trainer.publishing.draft_gate import load_draft_config
 
         self.online = hub_reachable()
@@ -375,21 +382,30 @@ class Rehearsal:
             self.draft_config = load_draft_config(self.model_args, building=False)
         except ValueError as error:
             self.checks.add("config rules", check_functions.FAILED, " ".join(str(error).split()))
-            return self.finish()
+            return False
         self.read_target()
-        checks = self.checks
-        checks.run("config rules", self.config_rules)
-        checks.run("memory plan", self.memory_plan)
+        self.checks.run("config rules", self.config_rules)
+        self.checks.run("memory plan", self.memory_plan)
         self.build()
+        return True
+
+    def tiny_run(self) -> None:
+        """The checks on the tiny run: data, regeneration, the launched training steps, and what
+        needs them."""
+        checks = self.checks
         checks.run("dataset + chat template", self.data_check)
         checks.run("regeneration", self.regeneration_check, needs=("dataset + chat template",))
+        self.launched_checks()
+
+    def launched_checks(self) -> None:
+        """The launched training steps and what needs them: a failed launch leaves those not checked."""
+        checks = self.checks
         checks.run("two optimizer steps", self.train, needs=("dataset + chat template",))
         checks.run("checkpoint", self.checkpoint, needs=("two optimizer steps",))
         checks.run("resume", self.resume, needs=("checkpoint",))
         checks.run("export", self.export, needs=("two optimizer steps",))
         checks.run("reload", self.reload, needs=("export",))
         checks.run("flex_attention forward", self.flex_forward, needs=("export",))
-        return self.finish()
 
     def finish(self) -> int:
         for limit in NOT_CHECKED_ON_CPU:
