@@ -1,9 +1,11 @@
 """benchmarks/results/engines.json -> its section of docs/results.md (between the engines markers).
 
-The docs' numbers come from the JSON only: the throughput run calls `write_docs` itself, and
-`python -m benchmarks.results_doc` (or `python -m benchmarks.engines.render`) rewrites the section
-from the committed JSON. The markers are handled by benchmarks.doc_parts, the one implementation
-for every measured document; tests check that the docs equal what the JSON renders to.
+The sentences are benchmarks/templates/engines.md; this module only computes the values (table
+cells, ratios, which of the two "hidden" sentences holds). The docs' numbers come from the JSON
+only: the throughput run calls `write_docs` itself, and `python -m benchmarks.results_doc` (or
+`python -m benchmarks.engines.render`) rewrites the section from the committed JSON. The markers
+and templates are handled by benchmarks.doc_parts, the one implementation for every measured
+document; tests check that the docs equal what the JSON renders to.
 """
 
 from __future__ import annotations
@@ -15,20 +17,28 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import doc_parts
-from benchmarks.doc_parts import duration
+from benchmarks.doc_parts import duration, number, table_rows
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "engines.json"
 DOCS = REPO / "docs" / "results.md"
 NAME = "engines"
+TEMPLATE = "engines"  # benchmarks/templates/engines.md: the sentences
 BEGIN, END = doc_parts.markers(NAME)
 
 
-def runs_table(heading: str, runs: dict[str, dict[str, Any]], tokens_label: str) -> list[str]:
-    lines = [f"| {heading} | seconds | {tokens_label} | tokens/s |", "|---|---:|---:|---:|"]
-    for name, run in runs.items():
-        lines.append(f"| {name} | {run['seconds']:.1f} | {run['tokens']} | {run['tokens_per_second']:.1f} |")
-    return lines
+def part(name: str, values: dict[str, Any] | None = None) -> str:
+    return doc_parts.render(TEMPLATE, name, values)
+
+
+def run_rows(runs: dict[str, dict[str, Any]]) -> str:
+    """One table row per way of running: seconds, tokens and tokens/s."""
+    return table_rows(
+        [
+            [name, number(run["seconds"], 1), str(run["tokens"]), number(run["tokens_per_second"], 1)]
+            for name, run in runs.items()
+        ]
+    )
 
 
 def speed_ratio(runs: dict[str, dict[str, Any]]) -> float:
@@ -48,103 +58,84 @@ def mebibytes(count: float) -> str:
     return f"{count / 2**20:,.1f}"
 
 
-def training_lines(training: dict[str, Any] | None) -> list[str]:
+def training_part(training: dict[str, Any] | None) -> str:
     """One epoch of training from each source of features (benchmarks/engines/streamed.py)."""
     if not training:
-        return []
-    lines = [
-        f"| training: one epoch, {training['supervised_tokens']} supervised tokens, micro-batch "
-        f"{training['micro_batch']} | train seconds | supervised tokens/s | trainer peak RSS (MiB) | "
-        "peak server files (MiB) | their bound (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        return ""
+    rows = [
+        [
+            name,
+            number(run["train_seconds"], 1),
+            number(run["supervised_tokens_per_second"], 1),
+            mebibytes(run["peak_rss_bytes"]),
+            mebibytes(run["peak_server_file_bytes"]) if "peak_server_file_bytes" in run else "–",
+            mebibytes(run["disk_bound_bytes"]) if "disk_bound_bytes" in run else "–",
+        ]
+        for name, run in training["runs"].items()
     ]
-    for name, run in training["runs"].items():
-        disk = mebibytes(run["peak_server_file_bytes"]) if "peak_server_file_bytes" in run else "–"
-        bound = mebibytes(run["disk_bound_bytes"]) if "disk_bound_bytes" in run else "–"
-        lines.append(
-            f"| {name} | {run['train_seconds']:.1f} | {run['supervised_tokens_per_second']:.1f} | "
-            f"{mebibytes(run['peak_rss_bytes'])} | {disk} | {bound} |"
-        )
     depth = training["prefetch_that_hides_the_engine"]
-    share = f"{training['hide_share']:.0%}"
-    hidden = (
-        f"streaming reaches {share} of the offline store's supervised tokens/s from feature_prefetch {depth} on"
-        if depth is not None
-        else f"no feature_prefetch tried reaches {share} of the offline store's supervised tokens/s here, where the "
-        "server computes on the same two cores as the training"
-    )
-    latency, step = training["engine_seconds_per_micro_batch"], training["step_seconds_without_waiting"]
-    return [
-        *lines,
-        "",
-        f"The offline store took {training['store_seconds']:.1f} s to write through vLLM before its run; {hidden}. "
-        "Server files on disk stay within feature_prefetch micro-batches (the bound, float32 here). The idle "
-        f"server answers a micro-batch in {latency * 1000:.0f} ms and a step with its features at hand takes "
-        f"{step * 1000:.0f} ms, so where the server has its own devices (the two-node layout of docs/scale.md) "
-        f"feature_prefetch {training['prefetch_to_hide_latency']} covers one answer per step "
-        "(⌈answer / step⌉; keep one more for jitter).",
-        "",
-    ]
+    hidden = part("hidden" if depth is not None else "not-hidden", {"share": training["hide_share"], "depth": depth})
+    values = {
+        "training": training,
+        "rows": table_rows(rows),
+        "hidden": hidden,
+        "answer_ms": training["engine_seconds_per_micro_batch"] * 1000,
+        "step_ms": training["step_seconds_without_waiting"] * 1000,
+    }
+    return part("training", values)
 
 
-def memory_lines(memory: dict[str, Any] | None) -> list[str]:
+def memory_part(memory: dict[str, Any] | None) -> str:
     """What a training process holds of the target, whole or embedding and LM head alone."""
     if not memory:
-        return []
-    small, large = memory["smollm2"], memory["deepseek_v3"]
-    full, head = small["full"], small["head_only"]
-    return [
-        f"A training process's memory for the target ({small['dtype']}): loading `{small['target']}` whole, a "
-        f"fresh process peaks at {full['peak_rss_mib']:,.0f} MiB resident ({full['held_parameter_mib']:,.0f} MiB of "
-        f"parameters); as its embedding and LM head alone (`TargetHead`, streamed features) at "
-        f"{head['peak_rss_mib']:,.0f} MiB ({head['held_parameter_mib']:,.0f} MiB), of which "
-        f"{head['after_imports_rss_mib']:,.0f} MiB is Python, torch and transformers before any load. For "
-        f"`{large['config']}` ({large['dtype']}, counted on the meta device): {large['full_mib'] / 1024:,.0f} GiB "
-        f"whole against {large['head_only_mib'] / 1024:,.1f} GiB of embedding and LM head "
-        f"({large['head_only_fraction']:.2%}).",
-        "",
-    ]
+        return ""
+    large = memory["deepseek_v3"]
+    values = {
+        "small": memory["smollm2"],
+        "large": large,
+        "full_gib": large["full_mib"] / 1024,
+        "head_gib": large["head_only_mib"] / 1024,
+    }
+    return part("memory", values)
 
 
 def render(result: dict[str, Any]) -> str:
     """The Markdown of one engines.json (the lines between the markers)."""
-    machine, regeneration, features = result["machine"], result["regeneration"], result["features"]
-    servers = result["servers"]
-    greedy = "greedy" if regeneration["temperature"] == 0 else f"temperature {regeneration['temperature']}"
-    lines = [
-        f"Measured by `make bench-engines` on {machine['cores']} {machine['cpu']} cores (torch {machine['torch']}, "
-        f"{machine['torch_threads']} threads; {machine['vllm']}), target `{result['target']}` in float32, "
-        f"{result['concurrency']} sequences at a time both ways; ratios compare the two ways within this one run.",
-        "",
-        *runs_table(
-            f"regeneration: {regeneration['prompts']} prompts, {regeneration['max_new_tokens']} new tokens, {greedy}",
-            regeneration["runs"],
-            "generated tokens",
+    regeneration, features, servers = result["regeneration"], result["features"], result["servers"]
+    temperature = regeneration["temperature"]
+    sampling = part("greedy") if temperature == 0 else part("temperature", {"temperature": temperature})
+    startups = (
+        part("startup", {"name": name, "duration": duration(server["startup_seconds"])})
+        for name, server in servers.items()
+    )
+    values = {
+        "measured": part("measured", result),
+        "note": part("note", {"note": result["note"]}) if result.get("note") else "",
+        "regeneration": part(
+            "regeneration",
+            {
+                "regeneration": regeneration,
+                "sampling": sampling,
+                "rows": run_rows(regeneration["runs"]),
+                "ratio": speed_ratio(regeneration["runs"]),
+            },
         ),
-        "",
-        f"vLLM / in process: {speed_ratio(regeneration['runs']):.2f}× generated tokens/s; "
-        f"{regeneration['rows_with_equal_tokens']} of {regeneration['prompts']} answers token for token the same.",
-        "",
-        *runs_table(
-            f"features: {features['samples']} samples, layers {features['layer_ids']}", features["runs"], "tokens"
+        "features": part(
+            "features",
+            {"features": features, "rows": run_rows(features["runs"]), "ratio": speed_ratio(features["runs"])},
         ),
-        "",
-        f"vLLM / in process: {speed_ratio(features['runs']):.2f}× tokens/s; largest relative difference "
-        f"of a sample's hidden states: {features['max_relative_error']:.1e}.",
-        "",
-        *training_lines(result.get("training")),
-        *memory_lines(result.get("target_memory")),
-        "Server start-up (not in the timings above): "
-        + ", ".join(f"{name} {duration(server['startup_seconds'])}" for name, server in servers.items())
-        + f"; the whole run {duration(result['total_seconds'])}. The servers' commands:",
-        "",
-        "```bash",
-        *(command_line(server) for server in servers.values()),
-        "```",
-    ]
-    if result.get("note"):  # what the reader must know about this run (e.g. a loaded machine)
-        lines[1:1] = ["", f"Note: {result['note']}"]
-    return "\n".join(lines)
+        "training": training_part(result.get("training")),
+        "memory": memory_part(result.get("target_memory")),
+        "servers": part(
+            "servers",
+            {
+                "startups": ", ".join(startups),
+                "total": duration(result["total_seconds"]),
+                "commands": "\n".join(command_line(server) for server in servers.values()),
+            },
+        ),
+    }
+    return part("engines", values)
 
 
 def section(text: str) -> str:

@@ -180,3 +180,25 @@ def test_renders_the_memory_of_a_whole_and_a_head_only_target():
     assert "a fresh process peaks at 909 MiB resident (513 MiB of parameters)" in text
     assert "as its embedding and LM head alone (`TargetHead`, streamed features) at 500 MiB (108 MiB)" in text
     assert "1,250 GiB whole against 3.5 GiB of embedding and LM head (0.28%)" in text
+
+
+def test_a_sampled_run_names_its_temperature_and_every_template_part_is_used(monkeypatch: pytest.MonkeyPatch):
+    """The sentences live in benchmarks/templates/engines.md: rendering every variant (note,
+    sampling, training that does and does not hide the engine, memory) uses each of its parts."""
+    from benchmarks import doc_parts
+    from benchmarks.engines import render as module
+
+    used: set[str] = set()
+    part = module.part
+    monkeypatch.setattr(module, "part", lambda name, values=None: used.add(name) or part(name, values))
+    sampled = hand_made()
+    sampled["regeneration"] = {**sampled["regeneration"], "temperature": 0.7}
+    memory = json.loads(RESULTS.read_text())["target_memory"] if RESULTS.exists() else None
+    texts = [
+        render({**sampled, "note": "n", "training": hand_made_training(fast_streaming=True), "target_memory": memory}),
+        render({**hand_made(), "training": hand_made_training(fast_streaming=False)}),
+    ]
+    assert "| regeneration: 8 prompts, 32 new tokens, temperature 0.7 | seconds |" in texts[0]
+    assert all("{" not in text.replace('{"a": 1}', "") and "\n\n\n" not in text for text in texts)
+    expected = set(doc_parts.template_parts(module.TEMPLATE)) - ({"memory"} if memory is None else set())
+    assert used == expected

@@ -73,6 +73,7 @@ def test_every_template_part_is_one_a_renderer_asks_for():
         "common": "doc_parts.py",
         "cpu": "cpu_doc.py",
         "demo": "demo_doc.py",
+        "engines": "engines/render.py",
         "long_context": "long_context_doc.py",
     }
     benchmarks = Path(doc_parts.__file__).parent
