@@ -7,8 +7,8 @@ cpu.json (`make bench`), packing.json (`make bench-packing`, also written by `ma
 long_context.json (`make bench-long-context`) and compare.json (a copy of `make compare`'s
 outputs/compare/comparison.json).
 The sentences are templates under benchmarks/templates/, filled from the JSON by
-benchmarks.demo_doc, benchmarks.cpu_doc and benchmarks.long_context_doc with the pieces in
-benchmarks.doc_parts (benchmarks.engines.render writes its section's sentences itself). The
+benchmarks.demo_doc, benchmarks.cpu_doc, benchmarks.long_context_doc and benchmarks.engines.render
+with the pieces in benchmarks.doc_parts. The
 comparisons in them (which path is ahead, whether a target was reached) are computed, never
 asserted. A section whose JSON does not exist is left as it stands. `--check` rewrites nothing and
 exits 1, naming the document, when a committed document differs from what the JSON gives (a test
