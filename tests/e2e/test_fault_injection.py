@@ -1,8 +1,9 @@
 """Fault injection: a tiny run killed or signalled in and around its checkpoint saves, then resumed.
 
-Every scenario runs `python -m trainer train` in a subprocess (tests/support/faults/train_with_fault.py), hits it
-at one point, then runs the same command with `--resume_from_checkpoint true` to the same
-max_steps. The resumed run must end bit-equal to an uninterrupted one: same final weights, same
+Every scenario runs `python -m trainer train` in a fresh process (tests/support/faults/train_with_fault.py), hits
+it at one point, then runs the same command with `--resume_from_checkpoint true` in another fresh process
+to the same max_steps (tests/support/faults/forked_runs.py forks both from one process that imported
+the libraries once). The resumed run must end bit-equal to an uninterrupted one: same final weights, same
 logged losses (CPU, float32, one thread, same seed: nothing in the step is nondeterministic, so
 any difference would be a resume bug, not noise).
 """
@@ -16,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from trainer.training.checkpoints import checkpoint_problems, list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = REPO / "tests" / "support" / "faults" / "train_with_fault.py"
+FORKED_RUNS = REPO / "tests" / "support" / "faults" / "forked_runs.py"
 TRAIN = ("-m", "trainer", "train")  # `dflash2 train`, from the checkout
 RUN = {"max_steps": 6, "save_steps": 2, "save_total_limit": 2, "num_eval_samples": 0, "logging_steps": 1}
 KILLED = -signal.SIGKILL
@@ -72,9 +73,9 @@ PACKED_SCENARIOS = [Scenario("between_steps", 5, KILLED, 4), Scenario("optimizer
 PACKED = "packed-"
 
 
-def python(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def python(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def outcome(output: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, float]]]:
@@ -83,28 +84,43 @@ def outcome(output: Path) -> tuple[dict[str, torch.Tensor], list[tuple[int, floa
     return weights, [(log["step"], log["loss"]) for log in history if "loss" in log]
 
 
-def play(root: Path, recipe: Path, scenario: Scenario | None) -> dict:
+def plan(root: Path, recipe: Path, scenario: Scenario | None) -> dict:
     """The uninterrupted reference (no scenario), or a faulted run followed by its resume."""
     if scenario is None:
-        return {"faulted": python(*TRAIN, str(recipe), cwd=root), "output": root / "output"}
-    faulted = python(str(FAULTS), scenario.point, str(scenario.step), str(recipe), cwd=root)
-    survivors = {p.name: checkpoint_problems(p) for p in list_checkpoints(root / "output")}
-    resumed = python(*TRAIN, str(recipe), "--resume_from_checkpoint", "true", cwd=root)
-    return {"faulted": faulted, "survivors": survivors, "resumed": resumed, "output": root / "output"}
+        return {"cwd": str(root), "runs": [[*TRAIN, str(recipe)]]}
+    faulted = [str(FAULTS), scenario.point, str(scenario.step), str(recipe)]
+    return {"cwd": str(root), "runs": [faulted, [*TRAIN, str(recipe), "--resume_from_checkpoint", "true"]]}
+
+
+def ran(root: Path, index: int) -> subprocess.CompletedProcess:
+    """What forked_runs.py recorded of a scenario's run `index`."""
+    read = lambda suffix: (root / f"run-{index}.{suffix}").read_text()  # noqa: E731
+    return subprocess.CompletedProcess([], int(read("rc")), read("out"), read("err"))
+
+
+def played_result(root: Path, scenario: Scenario | None) -> dict:
+    if scenario is None:
+        return {"faulted": ran(root, 0), "output": root / "output"}
+    survivors = json.loads((root / "survivors-1.json").read_text())
+    return {"faulted": ran(root, 0), "survivors": survivors, "resumed": ran(root, 1), "output": root / "output"}
 
 
 @pytest.fixture(scope="module")
 def played(tmp_path_factory) -> dict[str, dict]:
-    """The uninterrupted reference and every scenario, two processes at a time (one thread each).
+    """The uninterrupted reference and every scenario, two processes at a time (one thread each),
+    each run a fresh process forked from one that imported torch, transformers and the trainer
+    (tests/support/faults/forked_runs.py: the imports are most of a tiny run's cost).
     The runs' files are written first, one after another: building the tiny target seeds torch's
-    global generator, which threads would share."""
+    global generator."""
     root = tmp_path_factory.mktemp("faults")
     jobs = {"reference": None, **{s.point: s for s in SCENARIOS}}
     jobs.update({f"{PACKED}reference": None, **{f"{PACKED}{s.point}": s for s in PACKED_SCENARIOS}})
     recipes = {name: write_tiny_run(root / name, **RUN, packing=name.startswith(PACKED)) for name in jobs}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = pool.map(lambda name: play(root / name, recipes[name], jobs[name]), jobs)
-        return dict(zip(jobs, results, strict=True))
+    plan_file = root / "plan.json"
+    plan_file.write_text(json.dumps({name: plan(root / name, recipes[name], jobs[name]) for name in jobs}))
+    server = python(str(FORKED_RUNS), str(plan_file), "2", cwd=root, timeout=1800)
+    assert server.returncode == 0, server.stderr[-3000:]
+    return {name: played_result(root / name, jobs[name]) for name in jobs}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.point for s in SCENARIOS])

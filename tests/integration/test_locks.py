@@ -120,30 +120,62 @@ def test_a_file_as_output_dir_is_named(tmp_path):
         lock_run_folder(path)
 
 
-def run_train(recipe: Path, *flags: str, cwd: Path) -> subprocess.Popen:
+GO_FILE_ENV = "DFLASH2_TEST_GO_FILE"
+# `python -m trainer`, whose training waits before its first step (its output_dir lock already
+# taken) until the file named by $DFLASH2_TEST_GO_FILE exists: a run that stays running as long as
+# the test needs, without hundreds of steps of margin
+HELD_BEFORE_THE_FIRST_STEP = f"""
+import os, runpy, sys, time
+from transformers import TrainerCallback
+import trainer.training.run as train_script
+go = os.environ[{GO_FILE_ENV!r}]
+
+class Held(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        while state.global_step == 0 and not os.path.exists(go):
+            time.sleep(0.05)
+
+class HeldTrainer(train_script.DFlash2Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_callback(Held())
+
+train_script.DFlash2Trainer = HeldTrainer
+sys.argv[0] = "trainer"
+runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_train(recipe: Path, *flags: str, cwd: Path, held_until: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for variable in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "DFLASH2_DEBUG"):
         env.pop(variable, None)
-    command = [sys.executable, "-m", "trainer", "train", str(recipe), *flags]
+    program = ["-m", "trainer"] if held_until is None else ["-c", HELD_BEFORE_THE_FIRST_STEP]
+    if held_until is not None:
+        env[GO_FILE_ENV] = str(held_until)
+    command = [sys.executable, *program, "train", str(recipe), *flags]
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
 def test_a_second_training_on_the_same_output_dir_stops_and_the_first_keeps_its_checkpoints(tmp_path):
     """Two recipes on one output_dir, started while the first runs: the second exits 2 with one line
-    naming the folder and the holder; every checkpoint is the first run's (its learning rate)."""
+    naming the folder and the holder; every checkpoint is the first run's (its learning rate).
+    The first run waits before its first step until the second has exited."""
     from tests.support.distributed.tiny_setup import write_tiny_run
 
-    recipe = write_tiny_run(tmp_path, num_eval_samples=0, max_steps=300, save_steps=50, save_total_limit=None)
-    output = tmp_path / "output"
-    first = run_train(recipe, cwd=tmp_path)
+    recipe = write_tiny_run(tmp_path, num_eval_samples=0, max_steps=6, save_steps=1, save_total_limit=None)
+    output, go = tmp_path / "output", tmp_path / "go"
+    first = run_train(recipe, cwd=tmp_path, held_until=go)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # (a hang guard: imports alone take a minute on a busy machine)
         while not (run_lock_file(output).is_file() and run_lock_file(output).read_text()):
             assert first.poll() is None and time.monotonic() < deadline, "the first run never took its lock"
             time.sleep(0.05)
         second = run_train(recipe, "--learning_rate", "0.05", cwd=tmp_path)
-        _, second_err = second.communicate(timeout=120)
+        _, second_err = second.communicate(timeout=300)
+        assert first.poll() is None  # (held: the second met a running first run)
+        go.touch()
         _, first_err = first.communicate(timeout=300)
     finally:
         for process in (first, locals().get("second")):

@@ -96,11 +96,11 @@ class Stderr:
         return "".join(self.lines)
 
 
-def start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Stderr]:
+def start(args: list[str], cwd: Path, program: tuple[str, ...] = ("-m", "trainer")) -> tuple[subprocess.Popen, Stderr]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("DFLASH2_DEBUG", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args],
+        [sys.executable, *program, *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -137,43 +137,80 @@ def assert_one_interrupted_line(text: str, status: int, kept: str) -> None:
 base = test_reliability_gate.base  # the tiny run and saved draft, shared with the gate tests
 
 
+def held_after_two_journaled(server: LoopbackOpenAI, cache: Path) -> threading.Event:
+    """Once two conversations are journaled, every further completion waits (in flight) until the
+    returned event is set: the command cannot finish before the signal, however slow this machine is."""
+    release, complete = threading.Event(), server.complete
+
+    def held(request: dict) -> dict:
+        if len(journaled(cache)) >= 2:
+            release.wait(timeout=300)
+        return complete(request)
+
+    server.complete = held  # type: ignore[method-assign]
+    return release
+
+
+def journaled(cache: Path) -> list[str]:
+    journals = list(cache.rglob("*.journal.jsonl"))
+    return journals[0].read_text().splitlines() if journals else []
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_endpoint_regeneration(base, tmp_path):
+    cache = tmp_path / "cache"
     with LoopbackOpenAI(tiny_target()) as server:
-        server.delay = 1.0  # slow answers: the signal lands while requests are in flight
+        release = held_after_two_journaled(server, cache)
         values = yaml.safe_load((base / "recipe.yaml").read_text())
         values.update(
             regenerate=True,
             regenerate_endpoint=server.url,
             regenerate_concurrency=2,
             max_new_tokens=8,
-            cache_dir=str(tmp_path / "cache"),
+            cache_dir=str(cache),
         )
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(yaml.safe_dump(values))
         process, stderr = start(["prepare", str(recipe), "--regenerate-only"], tmp_path)
-
-        def journaled() -> list[str]:
-            journals = list((tmp_path / "cache").rglob("*.journal.jsonl"))
-            return journals[0].read_text().splitlines() if journals else []
-
-        # a conversation is journaled once all its turns are back, after the server counted them:
-        # wait for the journal itself, so the signal lands with answers on disk and more in flight
-        wait_for(lambda: len(journaled()) >= 2, process, "two journaled conversations")
-        before = journaled()
-        text = press_ctrl_c(process, stderr)
+        try:
+            # a conversation is journaled once all its turns are back, after the server counted them:
+            # wait for the journal itself, so the signal lands with answers on disk and more in flight
+            # (the 20 conversations cannot all be back: the server holds every answer after the second)
+            wait_for(lambda: len(journaled(cache)) >= 2, process, "two journaled conversations")
+            before = journaled(cache)
+            text = press_ctrl_c(process, stderr)
+        finally:
+            release.set()
     assert_one_interrupted_line(text, process.returncode, COMMANDS["prepare"].kept)
-    assert journaled()[: len(before)] == before, "the answers finished so far were not kept"
+    assert journaled(cache)[: len(before)] == before, "the answers finished so far were not kept"
+
+
+DECODING = "decoding: begun"
+# `python -m trainer`, with the evaluate command's decoding announced on stderr as it begins: the
+# signal is sent once the command is inside decoding, not after a guessed delay
+ANNOUNCED_DECODING = f"""
+import runpy, sys
+import trainer.commands.evaluate as evaluate
+decode = evaluate.decode_settings
+def announced(*args, **kwargs):
+    print({DECODING!r}, file=sys.stderr, flush=True)
+    return decode(*args, **kwargs)
+evaluate.decode_settings = announced
+sys.argv[0] = "trainer"
+runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+"""
 
 
 @pytest.mark.slow
 def test_ctrl_c_during_evaluate(base, tmp_path):
-    (tmp_path / "prompts.txt").write_text("\n".join(["hello there", "what is the weather like"] * 20))
+    # 400 prompts (not the default 8) of up to 256 new tokens: minutes of decoding; the signal comes
+    # within a poll of its start
+    (tmp_path / "prompts.txt").write_text("\n".join(["hello there", "what is the weather like"] * 200))
     args = ["--target", str(base / "target"), "--draft", str(base / "checkpoint"), "--prompts", "prompts.txt"]
-    process, stderr = start(["evaluate", *args, "--max-new-tokens", "256", "--output", "report"], tmp_path)
-    # both models loaded: decoding has begun
-    wait_for(lambda: "".join(stderr.lines).count("Loading weights: 100%") >= 2, process, "the models loaded")
-    time.sleep(1.0)
+    argv = ["evaluate", *args, "--max-samples", "400", "--max-new-tokens", "256", "--output", "report"]
+    process, stderr = start(argv, tmp_path, program=("-c", ANNOUNCED_DECODING))
+    wait_for(lambda: DECODING in "".join(stderr.lines), process, "decoding began")
     text = press_ctrl_c(process, stderr)
     assert_one_interrupted_line(text, process.returncode, COMMANDS["evaluate"].kept)
+    assert "Loading weights: 100%" in text  # (the models were loaded: the stop came inside decoding)
     assert not (tmp_path / "report" / "speculative_report.json").exists()
