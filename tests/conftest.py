@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "integration", "e2e")
@@ -15,6 +16,12 @@ TIERS = ("unit", "integration", "e2e")
 # Hub and module caches of every test live in a throwaway directory; nothing reaches the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# One thread per test process and per process a test starts: the models are tiny, so a second
+# thread only spin-waits, and CI runs several test processes on two cores side by side (a sampled
+# decode: 0.65 s of CPU with two threads, 0.02 s with one, on a busy machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,17 +19,6 @@ from trainer.evaluation.speculative import spec_generate, target_generate
 PROMPTS = [[1, 9, 14, 22, 7], [1, 30, 31], [1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 40]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: a second thread only contends (its spin-waits cost more CPU than the
-    thousands of small sampled decodes below do; measured 0.65 s against 0.02 s per call when the
-    machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def greedy_reference(model, prompt, new_tokens, eos=None):
     output = model.generate(
         torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0

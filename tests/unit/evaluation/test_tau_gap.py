@@ -31,15 +31,6 @@ PROMPTS = [[1, 9, 14, 22, 7], [1, 5, 6, 7, 8], [1, 40, 12]]
 MAX_NEW_TOKENS = 18
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: two threads only contend with each other (and with other jobs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def untied_target() -> FrozenTarget:
     """A tiny target whose greedy answers are neither constant nor random (an untied head, so it
     does not just repeat its input)."""

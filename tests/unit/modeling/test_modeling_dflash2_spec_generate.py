@@ -28,17 +28,6 @@ from tests.unit.evaluation.test_speculative import PROMPTS, build_small_vocab_pa
 README = Path(__file__).resolve().parents[3] / "README.md"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: a second thread only contends (its spin-waits cost more CPU than the
-    thousands of small sampled decodes below do; measured 0.65 s against 0.02 s per call when the
-    machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def pair(request):
     target = tiny_target(request.param, seed=1)
