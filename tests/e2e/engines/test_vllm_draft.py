@@ -26,36 +26,17 @@ on this file; CI trains its own).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.engines.vllm_server import LIFT_CANDIDATE_REFUSAL, VllmServer
+from benchmarks.engines.vllm_server import VllmServer
 from modeling_dflash2 import DFlash2DraftModel
-from tests.e2e.engines.conftest import TARGET, start_server
-from trainer.data.dataset import chitchat_prompts
-from trainer.evaluation.prompt_sets import chat_prompt_ids
+from tests.e2e.engines.conftest import MAX_TOKENS, NUM_PROMPTS
 from trainer.models.target import FrozenTarget
 
-REPO = Path(__file__).resolve().parents[3]
-RECIPE = REPO / "examples" / "recipes" / "smollm2-135m-chitchat.yaml"
-AUDIT_VARIABLE = "DFLASH2_VLLM_AUDIT_DIR"  # read by the plugin in benchmarks/engines/vllm_cpu_plugin/
-# 80 steps at lr 2e-3 (the recipe's 1e-3 is tuned for its 300): held-out teacher-forced tau_unary
-# 1.42 (40 steps at 1e-3: 1.19); about 2.5 minutes on 2 idle cores, once the target's features
-# are cached (the first run on a machine regenerates and captures them first).
-TRAIN_STEPS = 80
-LEARNING_RATE = "0.002"
-NUM_PROMPTS = 8  # of the last 32 chitchat prompts, which the recipe holds out from training
-MAX_TOKENS = 32
 # A draft proposal whose top-2 logits are closer than this may flip between vLLM's float32 CPU
 # kernels and transformers' (one at 8.3e-4 did); the draft's logits are of order 10.
 NEAR_TIE = 5e-3
@@ -66,122 +47,6 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 # the target's after loading (the proposer's _maybe_share_embeddings / _maybe_share_lm_head, as the
 # project's draft uses the target's), and mask_embedding is used only with a mask_embedding.pt.
 NOT_FROM_EXPORT = {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
-
-
-def run_logged(command: list[str], log: Path) -> None:
-    with log.open("w") as output:
-        finished = subprocess.run(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, check=False)
-    if finished.returncode:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        pytest.fail(f"{command[1]} exited with {finished.returncode}:\n{tail}")
-
-
-@pytest.fixture(scope="module")
-def draft_export(engine_root: Path) -> Path:
-    """A draft trained for TRAIN_STEPS on the demo recipe (cross-entropy only; no held-out split,
-    evaluation or intermediate checkpoint: the training set is still the first 256 prompts, far
-    from the last ones decoded here), exported as users ship it (bf16)."""
-    if os.environ.get("DFLASH2_VLLM_DRAFT_EXPORT"):
-        return Path(os.environ["DFLASH2_VLLM_DRAFT_EXPORT"])
-    run, export = engine_root / "draft-run", engine_root / "draft-export"
-    train = [sys.executable, "-m", "trainer", "train", str(RECIPE), "--output_dir", str(run)]
-    train += ["--max_steps", str(TRAIN_STEPS), "--learning_rate", LEARNING_RATE, "--kd_weight", "0"]
-    train += ["--num_eval_samples", "0", "--eval_strategy", '"no"', "--spec_eval_prompts", "0"]
-    train += ["--save_steps", "100000", "--report_to", "none"]
-    run_logged(train, engine_root / "draft-train.log")
-    run_logged(
-        [sys.executable, "-m", "trainer", "export", str(run), str(export), "--target", TARGET],
-        engine_root / "draft-export.log",
-    )
-    return export
-
-
-@pytest.fixture(scope="module")
-def block_size(draft_export: Path) -> int:
-    return json.loads((draft_export / "config.json").read_text())["dflash_config"]["block_size"]
-
-
-@pytest.fixture(scope="module")
-def draft_server(
-    engine_root: Path, target_checkpoint: Path, draft_export: Path, block_size: int
-) -> Iterator[VllmServer]:
-    # The V1 runner's refusal of candidate-head drafts is lifted: on a CPU this draft decodes unary
-    # (no selector), the path compared with spec_generate(use_selector=False) below.
-    speculative = {"method": "dflash", "model": str(draft_export), "num_speculative_tokens": block_size - 1}
-    server = start_server(
-        target_checkpoint,
-        engine_root / "draft-server.log",
-        ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "detailed"],
-        environment={LIFT_CANDIDATE_REFUSAL: "1", AUDIT_VARIABLE: str(engine_root / "draft-audit")},
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2: FrozenTarget) -> list[list[int]]:
-    # distinct ones, from the end (the held-out chitchat prompts repeat: "Hello?" twice in the last 8)
-    texts = list(dict.fromkeys(reversed(chitchat_prompts()[-32:])))[:NUM_PROMPTS]
-    return [chat_prompt_ids(smollm2.tokenizer, text) for text in texts]
-
-
-SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(?:\{([^}]*)\})? ([0-9.eE+-]+)$")
-
-
-def spec_decode_counters(server: VllmServer) -> dict[str, float]:
-    """vLLM's spec-decode counters from /metrics: `drafts`, `draft_tokens`, `accepted_tokens` and
-    `accepted_tokens_per_pos/<position>` (summed over engines; one engine here)."""
-    with urllib.request.urlopen(f"{server.root}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    counters: dict[str, float] = {}
-    for line in text.splitlines():
-        found = SAMPLE.match(line)
-        if found is None or found.group(1).endswith(("_created", "_bucket", "_sum", "_count")):
-            continue
-        name = found.group(1).removeprefix("vllm:spec_decode_num_")
-        position = re.search(r'position="(\d+)"', found.group(2) or "")
-        if position:
-            name = f"{name}/{position.group(1)}"
-        counters[name] = counters.get(name, 0.0) + float(found.group(3))
-    return counters
-
-
-def settled_counters(server: VllmServer) -> dict[str, float]:
-    """The counters once two reads agree (the API server records a step's stats as it streams the
-    step's output, so the last step may land just after the response)."""
-    previous = spec_decode_counters(server)
-    for _ in range(20):
-        time.sleep(0.25)
-        current = spec_decode_counters(server)
-        if current == previous:
-            return current
-        previous = current
-    return previous
-
-
-@pytest.fixture(scope="module")
-def vllm_runs(draft_server: VllmServer, prompts: list[list[int]]) -> list[dict]:
-    """Each prompt alone (so the /metrics deltas are its own): the completion's token ids, its
-    per-request spec-decode metrics and the /metrics counter deltas."""
-    runs = []
-    for ids in prompts:
-        before = settled_counters(draft_server)
-        response = draft_server.post(
-            "/v1/completions",
-            {
-                "model": draft_server.served_name,
-                "prompt": ids,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0.0,
-                "return_token_ids": True,
-            },
-        )
-        after = settled_counters(draft_server)
-        choice = response["choices"][0]
-        delta = {name: after[name] - before.get(name, 0.0) for name in after}
-        metrics = response["metrics"]["speculative_decoding"]
-        runs.append({"tokens": choice["token_ids"], "metrics": metrics, "counters": delta})
-    return runs
 
 
 def test_vllm_loads_every_exported_tensor_unchanged(draft_server: VllmServer, draft_export: Path, engine_root: Path):
