@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,7 +36,8 @@ from benchmarks.engines.vllm_server import (
 from trainer.data.dataset import chitchat_prompts
 from trainer.data.engine_features import engine_feature_arguments
 from trainer.evaluation.prompt_sets import chat_prompt_ids
-from trainer.fileio import default_cache_root
+from trainer.fileio import default_cache_root, digest
+from trainer.locks import lock_cache_entry
 from trainer.models.target import FrozenTarget, TargetSource, converted_gguf_path
 
 ENGINE_TESTS = os.environ.get("DFLASH2_ENGINE_TESTS") == "1"
@@ -135,6 +137,38 @@ def run_logged(command: list[str], log: Path) -> None:
         pytest.fail(f"{command[1]} exited with {finished.returncode}:\n{tail}")
 
 
+def trained_draft_run(log: Path) -> Path:
+    """The training run of the draft vLLM serves, cached under the default cache root and keyed by
+    what decides its tensors: the recipe, the hub config, the flags below and the shipped modeling
+    files. The engine tests check what vLLM does with an export of a trained draft, not how well the
+    draft trained (tests/e2e/test_smollm2.py trains for real every time), so a run is only read
+    here; the export from it is made fresh in every session, since exporting is under test."""
+    flags = ["--max_steps", str(TRAIN_STEPS), "--learning_rate", LEARNING_RATE, "--kd_weight", "0"]
+    flags += ["--num_eval_samples", "0", "--eval_strategy", '"no"', "--spec_eval_prompts", "0"]
+    flags += ["--save_steps", "100000", "--report_to", "none"]
+    shipped = sorted((REPO / "modeling_dflash2").glob("*.py"))
+    key = digest(
+        {
+            "recipe": RECIPE.read_text(),
+            "draft_config": DRAFT_CONFIG.read_text(),
+            "flags": flags,
+            "modeling": {path.name: path.read_text() for path in shipped},
+        }
+    )
+    run = default_cache_root() / "engine-test-draft" / key
+    if (run / "model.safetensors").is_file():
+        return run
+    run.parent.mkdir(parents=True, exist_ok=True)
+    with lock_cache_entry(run, "engine-test draft"):
+        if not (run / "model.safetensors").is_file():
+            partial = run.with_name(f"{key}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            train = [sys.executable, "-m", "trainer", "train", str(RECIPE), "--output_dir", str(partial)]
+            run_logged([*train, *flags], log)
+            partial.rename(run)  # whole or absent: a killed training leaves only the .partial folder
+    return run
+
+
 @pytest.fixture(scope="session")
 def draft_export(engine_root: Path) -> Path:
     """A draft trained for TRAIN_STEPS on the demo recipe (cross-entropy only; no held-out split,
@@ -142,12 +176,7 @@ def draft_export(engine_root: Path) -> Path:
     from the last ones decoded here), exported as users ship it (bf16)."""
     if os.environ.get("DFLASH2_VLLM_DRAFT_EXPORT"):
         return Path(os.environ["DFLASH2_VLLM_DRAFT_EXPORT"])
-    run, export = engine_root / "draft-run", engine_root / "draft-export"
-    train = [sys.executable, "-m", "trainer", "train", str(RECIPE), "--output_dir", str(run)]
-    train += ["--max_steps", str(TRAIN_STEPS), "--learning_rate", LEARNING_RATE, "--kd_weight", "0"]
-    train += ["--num_eval_samples", "0", "--eval_strategy", '"no"', "--spec_eval_prompts", "0"]
-    train += ["--save_steps", "100000", "--report_to", "none"]
-    run_logged(train, engine_root / "draft-train.log")
+    run, export = trained_draft_run(engine_root / "draft-train.log"), engine_root / "draft-export"
     run_logged(
         [sys.executable, "-m", "trainer", "export", str(run), str(export), "--target", TARGET],
         engine_root / "draft-export.log",
