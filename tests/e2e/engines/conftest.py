@@ -138,11 +138,12 @@ def run_logged(command: list[str], log: Path) -> None:
 
 
 def trained_draft_run(log: Path) -> Path:
-    """The training run of the draft vLLM serves, cached under the default cache root and keyed by
-    what decides its tensors: the recipe, the hub config, the flags below and the shipped modeling
-    files. The engine tests check what vLLM does with an export of a trained draft, not how well the
-    draft trained (tests/e2e/test_smollm2.py trains for real every time), so a run is only read
-    here; the export from it is made fresh in every session, since exporting is under test."""
+    """The training run of the draft vLLM serves, kept beside the default cache root (training
+    writes nothing inside it) and keyed by what decides its tensors: the recipe, the hub config, the
+    flags below and the shipped modeling files. The engine tests check what vLLM does with an export
+    of a trained draft, not how well the draft trained (tests/e2e/test_smollm2.py trains for real
+    every time), so a run is only read here; the export from it is made fresh in every session,
+    since exporting is under test."""
     flags = ["--max_steps", str(TRAIN_STEPS), "--learning_rate", LEARNING_RATE, "--kd_weight", "0"]
     flags += ["--num_eval_samples", "0", "--eval_strategy", '"no"', "--spec_eval_prompts", "0"]
     flags += ["--save_steps", "100000", "--report_to", "none"]
@@ -155,7 +156,8 @@ def trained_draft_run(log: Path) -> Path:
             "modeling": {path.name: path.read_text() for path in shipped},
         }
     )
-    run = default_cache_root() / "engine-test-draft" / key
+    cache = default_cache_root()
+    run = cache.with_name(f"{cache.name}-engine-test-draft") / key  # beside the cache: training refuses inside it
     if (run / "model.safetensors").is_file():
         return run
     run.parent.mkdir(parents=True, exist_ok=True)
