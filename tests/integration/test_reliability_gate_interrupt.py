@@ -96,6 +96,10 @@ class Stderr:
         return "".join(self.lines)
 
 
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(args: list[str], cwd: Path, program: tuple[str, ...] = ("-m", "trainer")) -> tuple[subprocess.Popen, Stderr]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("DFLASH2_DEBUG", None)
@@ -107,6 +111,9 @@ def start(args: list[str], cwd: Path, program: tuple[str, ...] = ("-m", "trainer
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and, like one, with Ctrl-C's default action: a shell starting tests in the background
+        # (`cmd &`, nohup) ignores SIGINT, and Python keeps an ignored SIGINT ignored
+        preexec_fn=default_sigint,
     )
     return process, Stderr(process)
 
@@ -209,8 +216,13 @@ def test_ctrl_c_during_evaluate(base, tmp_path):
     args = ["--target", str(base / "target"), "--draft", str(base / "checkpoint"), "--prompts", "prompts.txt"]
     argv = ["evaluate", *args, "--max-samples", "400", "--max-new-tokens", "256", "--output", "report"]
     process, stderr = start(argv, tmp_path, program=("-c", ANNOUNCED_DECODING))
-    wait_for(lambda: DECODING in "".join(stderr.lines), process, "decoding began")
-    text = press_ctrl_c(process, stderr)
+    try:
+        wait_for(lambda: DECODING in "".join(stderr.lines), process, "decoding began")
+        text = press_ctrl_c(process, stderr)
+    finally:  # a failed wait must not leave minutes of decoding running behind the test
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
     assert_one_interrupted_line(text, process.returncode, COMMANDS["evaluate"].kept)
     assert "Loading weights: 100%" in text  # (the models were loaded: the stop came inside decoding)
     assert not (tmp_path / "report" / "speculative_report.json").exists()
