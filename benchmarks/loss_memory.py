@@ -3,13 +3,14 @@ chunked (the trainer's objective) against unchunked (full logits, the naive refe
 cross-entropy alone and with distillation from the target (`-kd`: kd_weight 0.5, whose teacher
 logits come from the target's final hidden states over the context).
 
-On CPU each measurement runs in a fresh process: freed heap memory is handed back to the OS
-(`malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), and the peak
+On CPU each measurement runs in a process of its own, forked from one that has done the imports
+(a fresh process per point would import torch each time): freed heap memory is handed back to the
+OS (`malloc_trim`), the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`), and the peak
 (`VmHWM`) after the loss head minus the resident size before it is the loss head's peak. On CUDA
 it reads the allocator's peak.
 
-One measurement, printed as one JSON line (what `sweep` runs in each fresh process):
-python -m benchmarks.loss_memory SETUP ANCHORS MODE [--device DEVICE]
+Each measurement printed as one JSON line (what `sweep` runs, in a process of its own):
+python -m benchmarks.loss_memory SETUP ANCHORS MODE [--then ANCHORS:MODE ...] [--device DEVICE]
 """
 
 from __future__ import annotations
@@ -90,37 +91,75 @@ def measure(setup_name: str, anchors: int, mode: str, device: str = "cpu") -> di
 
 
 def sweep(setup_name: str, anchor_counts, device: str = "cpu") -> list[dict]:
-    """Each point in its own process (CPU peak RSS never goes down within a process)."""
-    results = []
-    for anchors in anchor_counts:
-        for mode in MODES:
-            if device.startswith("cuda"):
-                results.append(measure(setup_name, anchors, mode, device))
-                continue
-            output = subprocess.run(
-                [sys.executable, "-m", "benchmarks.loss_memory", setup_name, str(anchors), mode, "--device", device],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=Path(__file__).resolve().parents[1],
-                env=MEASURING_ENVIRONMENT,
-            ).stdout
-            results.append(json.loads(output.strip().splitlines()[-1]))
-    return results
+    """Every anchor count with every mode: on CPU in one process that forks one child per point
+    (CPU peak RSS never goes down within a process), with the allocator settings above."""
+    points = [(anchors, mode) for anchors in anchor_counts for mode in MODES]
+    if device.startswith("cuda"):
+        return [measure(setup_name, anchors, mode, device) for anchors, mode in points]
+    (anchors, mode), *rest = points
+    command = [sys.executable, "-m", "benchmarks.loss_memory", setup_name, str(anchors), mode, "--device", device]
+    if rest:
+        command += ["--then", *(f"{anchors}:{mode}" for anchors, mode in rest)]
+    output = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env=MEASURING_ENVIRONMENT,
+    ).stdout
+    return [json.loads(line) for line in output.strip().splitlines()[-len(points) :]]
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def measured_in_a_child(setup_name: str, anchors: int, mode: str, device: str) -> dict:
+    """`measure` in a child forked from this process: its peak is its own, whatever came before."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one measurement, its JSON through the pipe, no cleanup of the parent's state
+        code = 1
+        try:
+            os.close(read_end)
+            os.write(write_end, json.dumps(measure(setup_name, anchors, mode, device)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not text:
+        raise RuntimeError(f"the measurement of {anchors} anchors, {mode}, failed (exit {status})")
+    return json.loads(text)
+
+
+def point(text: str) -> tuple[int, str]:
+    """`ANCHORS:MODE` of --then."""
+    anchors, _, mode = text.partition(":")
+    if not anchors.isdigit() or mode not in MODES:
+        raise ValueError(f"--then: {text!r} is not ANCHORS:MODE with MODE one of {', '.join(MODES)}")
+    return int(anchors), mode
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = command_parser("python -m benchmarks.loss_memory", __doc__)
     parser.add_argument("setup", choices=tuple(SETUPS))
     parser.add_argument("anchors", type=int)
     parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--then", nargs="+", default=[], metavar="ANCHORS:MODE", help="more points, after the first")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    if args.anchors < 1:
+    points = [(args.anchors, args.mode), *(point(text) for text in args.then)]
+    if any(anchors < 1 for anchors, _ in points):
         parser.error("anchors must be at least 1")
-    result = measure(args.setup, args.anchors, args.mode, args.device)
-    print(json.dumps(result))
-    return result
+    results = []
+    for anchors, mode in points:
+        if args.device.startswith("cuda"):
+            result = measure(args.setup, anchors, mode, args.device)
+        else:
+            result = measured_in_a_child(args.setup, anchors, mode, args.device)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
 
 
 if __name__ == "__main__":

@@ -144,13 +144,22 @@ def test_loss_memory_command_measures_one_point_and_refuses_bad_arguments(capsys
     from benchmarks import loss_memory
     from trainer.commands.runner import run as run_command
 
-    result = loss_memory.main(["tiny", "8", "chunked"])
+    [result] = loss_memory.main(["tiny", "8", "chunked"])
     assert json.loads(capsys.readouterr().out) == result
     assert result["anchors"] == 8 and result["mode"] == "chunked" and result["peak_bytes"] > 0
-    with pytest.raises(SystemExit) as stop:
-        run_command(loss_memory.main, ["tiny", "0", "chunked"])
-    assert stop.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: anchors must be at least 1"
+    # more points, each in its own forked child: one line each, in order
+    results = loss_memory.main(["tiny", "16", "chunked", "--then", "16:unchunked"])
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == results
+    assert [(point["anchors"], point["mode"]) for point in results] == [(16, "chunked"), (16, "unchunked")]
+    assert all(point["peak_bytes"] > 0 for point in results)
+    for argv, message in (
+        (["tiny", "0", "chunked"], "error: anchors must be at least 1"),
+        (["tiny", "8", "chunked", "--then", "8:fast"], "error: --then: '8:fast' is not ANCHORS:MODE with MODE one of"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            run_command(loss_memory.main, argv)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().startswith(message)
 
 
 def test_op_count_command_takes_its_setup(capsys):
