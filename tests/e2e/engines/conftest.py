@@ -96,8 +96,25 @@ def target_checkpoint(smollm2: FrozenTarget) -> Path:
     return converted_gguf_path(TargetSource.parse(TARGET), default_cache_root())
 
 
-def start_server(checkpoint: Path, log: Path, arguments: list[str] = (), **kwargs) -> VllmServer:
-    return VllmServer(checkpoint, [*SERVER_ARGUMENTS, *arguments], served_name=SERVED_NAME, log=log, **kwargs).start()
+# One unbound OpenMP thread per test server. CI runs these tests beside `make test` on two cores,
+# where a server's two threads bound to cores 0-1 wait on each other at every parallel region:
+# with two busy processes beside one server, 12 answers of 24 tokens took 32.5 s bound and 19.2 s
+# unbound, and its worker used 61 and 35 CPU seconds (start included).
+TEST_SERVER_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def start_server(
+    checkpoint: Path, log: Path, arguments: list[str] = (), environment: dict[str, str] | None = None, **kwargs
+) -> VllmServer:
+    server = VllmServer(
+        checkpoint,
+        [*SERVER_ARGUMENTS, *arguments],
+        served_name=SERVED_NAME,
+        log=log,
+        environment={**TEST_SERVER_ENVIRONMENT, **(environment or {})},
+        **kwargs,
+    )
+    return server.start()
 
 
 def start_feature_server(engine_root: Path, checkpoint: Path, name: str, layer_ids: list[int]) -> VllmServer:
