@@ -36,9 +36,10 @@ lint: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pre-commit run --all-files --show-diff-on-failure
 	$(BIN)/python -m mypy
 
-# every tier but the real-vLLM tests (tests/e2e/engines: make test-engines), the fast ones first
+# every tier but the real-vLLM tests (tests/e2e/engines: make test-engines), the slow ones first:
+# workers take modules in this order, and a long module started last would run on alone
 test: lint
-	$(BIN)/python -m pytest $(PARALLEL) tests/unit tests/integration tests/e2e --ignore=tests/e2e/engines --durations=20
+	$(BIN)/python -m pytest $(PARALLEL) tests/e2e tests/integration tests/unit --ignore=tests/e2e/engines --durations=20
 
 # what .ci/run runs, as `make -j3 -Otarget ci`: both virtualenvs built side by side, then `make test`
 # and the real-vLLM tests (one session: they share its servers) at the same time
