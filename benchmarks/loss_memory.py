@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -121,14 +122,16 @@ def measured_in_a_child(setup_name: str, anchors: int, mode: str, device: str) -
             os.close(read_end)
             os.write(write_end, json.dumps(measure(setup_name, anchors, mode, device)).encode())
             code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
             os._exit(code)
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         text = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0 or not text:
-        raise RuntimeError(f"the measurement of {anchors} anchors, {mode}, failed (exit {status})")
+    exit_code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if exit_code != 0 or not text:
+        raise RuntimeError(f"the measurement of {anchors} anchors, {mode}, failed (exit {exit_code})")
     return json.loads(text)
 
 
