@@ -13,9 +13,9 @@ PARALLEL := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 setup: $(STAMP)
 
-# pip compiles each module's bytecode as it installs (no --no-compile): where PYTHONDONTWRITEBYTECODE
-# is set, as on this project's CI machine, nothing is compiled on import, and every process then
-# compiled torch and transformers from source (26 CPU seconds to import them, against 9).
+# pip compiles each module's bytecode as it installs: where PYTHONDONTWRITEBYTECODE is set, as on
+# this project's CI machine, nothing is compiled on import, and a virtualenv without .pyc files
+# makes every process compile torch and transformers from source (26 CPU seconds, against 9).
 # torch first: the 2.13.0 CPU wheel where no CUDA device is present (any other request pulls a
 # multi-GB CUDA build); the default CUDA build where one is.
 $(STAMP): setup.cfg pyproject.toml constraints.txt
