@@ -14,9 +14,10 @@ one for real. `make` targets do the work itself and are left to CI.
 
 Each command costs seconds of importing torch and transformers, and the docs show about 80: the
 first command of each form (`dflash2`, `python -m ...`) runs as its own
-fresh process; the others run in processes forked from one that has imported only those
-third-party libraries (nothing of this repository), each child with the argv, sys.path and
-`__main__` the real invocation gives it, so a missing module or a bad flag fails there as it would.
+fresh process; the others run through tests/support/forked_python.py, forked from one process
+that has imported only those third-party libraries (nothing of this repository), each child with the
+argv, sys.path and `__main__` the real invocation gives it, so a missing module or a bad flag fails
+there as it would.
 """
 
 from __future__ import annotations
@@ -113,65 +114,25 @@ def run_with_help(argv: tuple[str, ...]) -> subprocess.CompletedProcess:
 
 
 COMMANDS = documented_commands()
-# third-party libraries the installed project requires (setup.cfg); the forking process imports
-# these and nothing else, after dropping the working directory from sys.path
+# third-party libraries the installed project requires (setup.cfg): the forking process imports
+# these and nothing of this repository
 PRELOADED = ("torch", "transformers", "transformers.trainer", "accelerate", "datasets")
-FORK_SERVER = """
-import json, os, runpy, sys, traceback
-sys.path[:] = [entry for entry in sys.path if entry not in ("", os.getcwd())]
-for name in PRELOADED:
-    __import__(name)
-base_path = list(sys.path)
-jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+FORKED_PYTHON = REPO / "tests" / "support" / "forked_python.py"
 
-def child(index, argv):
-    for fd, suffix in ((1, "out"), (2, "err")):
-        os.dup2(os.open(f"{out}/{index}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-    program, args = argv[0], argv[1:]
-    try:
-        if program == "dflash2":  # the console script itself: sys.path[0] is its folder
-            sys.argv, sys.path[:] = [SCRIPT, *args], [os.path.dirname(SCRIPT), *base_path]
-            runpy.run_path(SCRIPT, run_name="__main__")
-        elif args[0] == "-m":  # python -m: the working directory first
-            sys.argv, sys.path[:] = [args[1], *args[2:]], [os.getcwd(), *base_path]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:  # python script.py: the script's folder first
-            sys.argv, sys.path[:] = list(args), [os.path.dirname(os.path.abspath(args[0])), *base_path]
-            runpy.run_path(args[0], run_name="__main__")
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
 
-running = {}
-for index, argv in enumerate(jobs):
-    if len(running) >= WORKERS:
-        pid, status = os.wait()
-        open(f"{out}/{running.pop(pid)}.rc", "w").write(str(os.waitstatus_to_exitcode(status)))
-    pid = os.fork()
-    if pid == 0:
-        child(index, [*argv, "--help"])
-    running[pid] = index
-while running:
-    pid, status = os.wait()
-    open(f"{out}/{running.pop(pid)}.rc", "w").write(str(os.waitstatus_to_exitcode(status)))
-"""
+def as_python_argv(argv: tuple[str, ...]) -> list[str]:
+    """What `python` runs for a documented line: the console script is a script like any other."""
+    return [str(SCRIPT), *argv[1:]] if argv[0] == "dflash2" else list(argv[1:])
 
 
 def forked_help_runs(commands: list[tuple[str, ...]]) -> list[subprocess.CompletedProcess]:
     """`run_with_help` for each command, in children forked from one process (see the docstring)."""
     workers = max(1, os.cpu_count() or 1)
-    prelude = f"PRELOADED, SCRIPT, WORKERS = {PRELOADED!r}, {str(SCRIPT)!r}, {workers}\n"
     with tempfile.TemporaryDirectory() as out:
+        jobs = Path(out) / "jobs.json"
+        jobs.write_text(json.dumps([[*as_python_argv(argv), "--help"] for argv in commands]))
         server = subprocess.run(
-            [sys.executable, "-c", prelude + FORK_SERVER, json.dumps(commands), out],
+            [sys.executable, str(FORKED_PYTHON), str(jobs), out, str(workers), *PRELOADED],
             cwd=REPO,
             env=fresh_clone_environment(),
             capture_output=True,
