@@ -27,6 +27,7 @@ from trainer.training.watchdog import LOST_RANK_STATUS
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_FILES = {"config.json", "model.safetensors", *REMOTE_CODE_FILES}
+FAULTS = REPO / "tests" / "support" / "faults" / "train_with_fault.py"
 AUTO_MAP = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": "modeling_dflash2.DFlash2DraftModel"}
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
@@ -115,12 +116,12 @@ def test_fsdp2_wrapping_path_trains_and_saves_a_clean_draft(tmp_path):
 
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step_with_one_checkpoint(tmp_path):
     recipe = write_tiny_run(tmp_path, max_steps=6, num_eval_samples=0)
-    faults = REPO / "tests" / "support" / "faults" / "train_with_fault.py"
-    result = torchrun(str(faults), "sigterm_rank_1", "3", str(recipe), cwd=tmp_path, expect_success=False)
+    result = torchrun(str(FAULTS), "sigterm_rank_1", "3", str(recipe), cwd=tmp_path, expect_success=False)
     assert result.returncode != 0
     output = tmp_path / "output"
     said = [line for line in result.stderr.splitlines() if line.startswith("interrupted:")]
-    # only rank 0 speaks, and it never got the signal: it stopped because rank 1 did
+    # only rank 0 speaks, and it never got the signal: it stopped because rank 1 did; it speaks after
+    # rank 1 exited, so the launcher's SIGTERM came first and must not have cut the line
     assert said == [
         f"interrupted: stopped by SIGTERM after step 3: saved a complete checkpoint at {output / 'checkpoint-3'}; "
         "run the same command with --resume_from_checkpoint true to continue"
@@ -239,10 +240,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def hit_a_rank_mid_training(tmp_path: Path, rank: int, signum: int, wait_s: float) -> tuple[str, float, int]:
+def hit_a_rank_mid_training(
+    tmp_path: Path, rank: int, signum: int, wait_s: float, fault: str | None = None
+) -> tuple[str, float, int]:
     """Run a long tiny recipe under torchrun, send `signum` to worker `rank` once training has logged a
     loss, and wait for every process of the job to end; (output, seconds from the signal to the last
-    exit, the launcher's status). The worker is always continued and the job killed at the end."""
+    exit, the launcher's status). `fault`: a point of train_with_fault.py to run with. The worker is
+    always continued and the job killed at the end."""
     recipe = write_tiny_run(
         tmp_path, max_steps=5000, save_steps=100000, num_eval_samples=0, rank_stall_timeout=STALL_TIMEOUT_S
     )
@@ -252,7 +256,7 @@ def hit_a_rank_mid_training(tmp_path: Path, rank: int, signum: int, wait_s: floa
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     with log.open("w") as output:
         launcher = subprocess.Popen(
-            [*command, "-m", "trainer", "train", str(recipe)],
+            [*command, *(["-m", "trainer", "train"] if fault is None else [str(FAULTS), fault, "0"]), str(recipe)],
             cwd=tmp_path,
             env=env,
             stdout=output,
@@ -304,7 +308,10 @@ def test_a_stopped_rank_ends_the_job_within_the_stall_timeout_with_one_line_nami
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_within_seconds_with_one_line_naming_it(tmp_path):
-    output, seconds, status = hit_a_rank_mid_training(tmp_path, 0, signal.SIGKILL, wait_s=60)
+    # the survivor names rank 0 only after the launcher, seeing rank 0 die, has sent it SIGTERM
+    output, seconds, status = hit_a_rank_mid_training(
+        tmp_path, 0, signal.SIGKILL, wait_s=60, fault="late_lost_rank_line"
+    )
     lines = [line.removeprefix("error: ") for line in output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, output[-3000:]
     assert lines[0].startswith("rank 0 died (its process is gone"), lines

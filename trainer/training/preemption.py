@@ -6,6 +6,11 @@ progress the callback asks the Trainer to save and stop. Ranks agree through a o
 all-reduce, so a signal that reached one rank stops them all at the same step. A second signal
 exits at once. A copy of the same signal within `DUPLICATE_WINDOW_S` is not a second signal: SLURM
 signals every process of a step and torchrun forwards its own SIGTERM to the workers as well.
+
+Once a rank's run has stopped (on a signal, or on an error in a multi-rank job) only its report is
+left, and a signal then is usually the launcher ending the job because another rank exited first.
+`hold_until_exit` keeps that signal from cutting the report short: it is recorded silently, and the
+rank exits on its own once its line is out, on a second signal, or `ENDING_GRACE_S` later.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DUPLICATE_WINDOW_S = 1.0
+ENDING_GRACE_S = 10.0  # below torchrun's 30 s before it sends SIGKILL
 
 
 def exit_status(signum: int) -> int:
@@ -61,6 +67,8 @@ class PreemptionCallback(TrainerCallback):
         self.received_at = 0.0
         self.stopped_at_step: int | None = None
         self._previous: dict[int, Any] = {}
+        self.ending_signal: int | None = None  # a signal received while holding until exit
+        self.ending_received_at = 0.0
 
     # -- the handler -----------------------------------------------------------------------------
 
@@ -71,6 +79,24 @@ class PreemptionCallback(TrainerCallback):
             return
         for signum in HANDLED_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+
+    def hold_until_exit(self) -> None:
+        """Only this process's report is left: from here a signal waits for it (see the module docstring).
+
+        The handlers are swapped without passing through the default, which would kill the process."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in HANDLED_SIGNALS:
+            previous = signal.signal(signum, self._handle_while_ending)
+            self._previous.setdefault(signum, previous)
+
+    def after_training(self, *, failed: bool, world_size: int) -> None:
+        """When `train` ends: a rank of a multi-rank job whose run stopped (a signal or an error) holds
+        until exit; otherwise the handlers from before `train` come back."""
+        if world_size > 1 and (failed or self.stopped_at_step is not None):
+            self.hold_until_exit()
+        else:
+            self.uninstall()
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
@@ -89,6 +115,18 @@ class PreemptionCallback(TrainerCallback):
         if signum == self.signum and now - self.received_at < DUPLICATE_WINDOW_S:
             return  # the same signal delivered twice (scheduler and launcher), not a second request
         self._say(f"received {signal.Signals(signum).name} again: exiting now; the last complete checkpoint stays")
+        os._exit(exit_status(signum))
+
+    def _handle_while_ending(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.ending_signal is None:
+            self.ending_signal, self.ending_received_at = signum, now
+            deadline = threading.Timer(ENDING_GRACE_S, os._exit, [exit_status(signum)])
+            deadline.daemon = True
+            deadline.start()
+            return
+        if signum == self.ending_signal and now - self.ending_received_at < DUPLICATE_WINDOW_S:
+            return
         os._exit(exit_status(signum))
 
     def _say(self, message: str) -> None:

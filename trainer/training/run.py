@@ -149,9 +149,9 @@ def train_run(model_args, data_args, training_args) -> dict[str, float]:
     replace_earlier_run(training_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.preemption.stopped_at_step is not None:
-        # handled until exit: the copy of the signal a launcher forwards (or sends when another rank
-        # has exited) must not cut this rank's report short
-        trainer.preemption.install()
+        # the copy of the signal a launcher forwards (or sends when another rank has exited) must not
+        # cut this rank's report short
+        trainer.preemption.hold_until_exit()
         close_process_group(trainer)
         raise interruption(trainer)
     after = trainer.evaluate() if eval_dataset is not None else {}

@@ -216,11 +216,14 @@ class DFlash2Trainer(Trainer):
         resume = self.checkpointing.resume_point(resume_from_checkpoint)
         self.preemption.install()
         try:
-            return super().train(
+            result = super().train(
                 resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
-        finally:
-            self.preemption.uninstall()
+        except BaseException:
+            self.preemption.after_training(failed=True, world_size=self.args.world_size)
+            raise
+        self.preemption.after_training(failed=False, world_size=self.args.world_size)
+        return result
 
     def _get_output_dir(self, trial) -> str:
         """While a checkpoint is being saved, HF's `_save_checkpoint` writes under the staging folder."""

@@ -4,8 +4,9 @@ Usage: python tests/support/faults/train_with_fault.py POINT STEP RECIPE [--key 
 
 Kills are SIGKILL (nothing can be cleaned up); a file "in the middle" of its write is left with
 half of its bytes. The signal points send SIGTERM / SIGINT to the process itself while step STEP
-is computed, as a scheduler or a user would. `enospc` makes the disk "full" (OSError ENOSPC) when
-optimizer.pt of step STEP is written.
+is computed, as a scheduler or a user would. Under torchrun, the rank that reports last says its
+line LAST_LINE_DELAY_S late, so the launcher, seeing the other rank exit, has signalled it first.
+`enospc` makes the disk "full" (OSError ENOSPC) when optimizer.pt of step STEP is written.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import safetensors.torch
@@ -28,6 +30,9 @@ import trainer.training.run as train_script
 from trainer.commands import train as train_command
 from trainer.commands.runner import run
 from trainer.training.checkpoints import MANIFEST, STAGING_PREFIX, TRASH_PREFIX
+from trainer.training.watchdog import Watchdog
+
+LAST_LINE_DELAY_S = 2.0  # torchrun checks on its workers every 0.1 s
 
 
 def kill() -> None:
@@ -158,10 +163,25 @@ def _signal(point: str, staged: str, step: int, callbacks: list) -> None:
     callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signum)))
 
 
+def late(report):
+    def delayed(*args, **kwargs):
+        time.sleep(LAST_LINE_DELAY_S)
+        return report(*args, **kwargs)
+
+    return delayed
+
+
 def _sigterm_rank_1(point: str, staged: str, step: int, callbacks: list) -> None:
-    """Under torchrun: only rank 1 is told; every rank must stop with it."""
+    """Under torchrun: only rank 1 is told; every rank must stop with it, and rank 0 reports after rank 1 exited."""
     if os.environ.get("RANK") == "1":
         callbacks.append(AtStep(step, on_begin=lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    else:
+        train_script.interruption = late(train_script.interruption)
+
+
+def _late_lost_rank_line(point: str, staged: str, step: int, callbacks: list) -> None:
+    """Under torchrun: a rank names a lost peer only after the launcher has signalled it (no fault of its own)."""
+    Watchdog.report = late(Watchdog.report)  # type: ignore[method-assign]
 
 
 def _second_signal(point: str, staged: str, step: int, callbacks: list) -> None:
@@ -190,6 +210,7 @@ FAULTS = {
     "sigterm": _signal,
     "sigint": _signal,
     "sigterm_rank_1": _sigterm_rank_1,
+    "late_lost_rank_line": _late_lost_rank_line,
     "second_signal": _second_signal,
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 from transformers import TrainerControl
@@ -87,3 +88,75 @@ def test_the_interruption_message_and_status():
         "run the same command with --resume_from_checkpoint true to continue"
     )
     assert stop.exit_status == 143
+
+
+@pytest.fixture
+def restored_handlers():
+    before = {signum: signal.getsignal(signum) for signum in preemption.HANDLED_SIGNALS}
+    yield before
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+def test_holding_until_exit_swaps_the_handlers_and_uninstall_brings_back_the_first(restored_handlers):
+    callback = PreemptionCallback()
+    callback.install()
+    callback.hold_until_exit()  # straight from the training handler: never the default in between
+    assert all(signal.getsignal(signum) == callback._handle_while_ending for signum in restored_handlers)
+    callback.uninstall()
+    assert {signum: signal.getsignal(signum) for signum in restored_handlers} == restored_handlers
+
+
+def test_a_held_signal_is_silent_and_ends_the_process_only_after_the_grace(monkeypatch, capsys):
+    exited = []
+    monkeypatch.setattr(preemption.os, "_exit", exited.append)
+    monkeypatch.setattr(preemption, "ENDING_GRACE_S", 0.2)
+    callback = PreemptionCallback()
+    callback.signum = signal.SIGTERM  # the run itself stopped on SIGTERM, long ago: this is no second one
+    callback._handle_while_ending(signal.SIGTERM, None)
+    assert exited == [] and capsys.readouterr().err == ""
+    assert callback.ending_signal == signal.SIGTERM
+    deadline = preemption.time.monotonic() + 10
+    while not exited and preemption.time.monotonic() < deadline:
+        preemption.time.sleep(0.02)
+    assert exited == [143]
+
+
+class UnstartedTimer:
+    """threading.Timer's calls, recorded; nothing runs."""
+
+    made: ClassVar[list[tuple]] = []
+
+    def __init__(self, interval, function, args) -> None:
+        self.made.append((interval, function, args))
+
+    def start(self) -> None:
+        pass
+
+
+def test_while_held_a_copy_waits_and_a_second_signal_exits_at_once(exits, monkeypatch):
+    monkeypatch.setattr(preemption.threading, "Timer", UnstartedTimer)
+    clock = iter([100.0, 100.4, 100.5])
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: next(clock))
+    callback = PreemptionCallback()
+    callback._handle_while_ending(signal.SIGTERM, None)
+    callback._handle_while_ending(signal.SIGTERM, None)  # the launcher's copy of the scheduler's
+    assert exits == [] and UnstartedTimer.made == [(preemption.ENDING_GRACE_S, preemption.os._exit, [143])]
+    with pytest.raises(Exited):
+        callback._handle_while_ending(signal.SIGINT, None)  # Ctrl-C: the user will not wait
+    assert exits == [130]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "failed", "stopped_at_step", "held"),
+    [(1, True, 4, False), (2, False, None, False), (2, True, None, True), (2, False, 4, True)],
+)
+def test_after_training_holds_only_a_stopped_rank_of_a_multi_rank_job(
+    restored_handlers, world_size, failed, stopped_at_step, held
+):
+    callback = PreemptionCallback()
+    callback.install()
+    callback.stopped_at_step = stopped_at_step
+    callback.after_training(failed=failed, world_size=world_size)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler == (callback._handle_while_ending if held else restored_handlers[signal.SIGTERM])
