@@ -38,6 +38,12 @@ def exit_status(signum: int) -> int:
     return 128 + signum
 
 
+def is_copy(signum: int, first: int | None, first_at: float, now: float) -> bool:
+    """The first signal again within DUPLICATE_WINDOW_S: delivered twice (scheduler and launcher), not a
+    second request."""
+    return signum == first and now - first_at < DUPLICATE_WINDOW_S
+
+
 class TrainingInterrupted(Exception):
     """Training stopped on a signal after saving a complete checkpoint."""
 
@@ -112,8 +118,8 @@ class PreemptionCallback(TrainerCallback):
                 "(send the signal again to exit at once)"
             )
             return
-        if signum == self.signum and now - self.received_at < DUPLICATE_WINDOW_S:
-            return  # the same signal delivered twice (scheduler and launcher), not a second request
+        if is_copy(signum, self.signum, self.received_at, now):
+            return
         self._say(f"received {signal.Signals(signum).name} again: exiting now; the last complete checkpoint stays")
         os._exit(exit_status(signum))
 
@@ -125,7 +131,7 @@ class PreemptionCallback(TrainerCallback):
             deadline.daemon = True
             deadline.start()
             return
-        if signum == self.ending_signal and now - self.ending_received_at < DUPLICATE_WINDOW_S:
+        if is_copy(signum, self.ending_signal, self.ending_received_at, now):
             return
         os._exit(exit_status(signum))
 

@@ -123,9 +123,9 @@ def test_a_held_signal_is_silent_and_ends_the_process_only_after_the_grace(monke
 
 
 class UnstartedTimer:
-    """threading.Timer's calls, recorded; nothing runs."""
+    """threading.Timer's calls, recorded (in `made`, set by the test); nothing runs."""
 
-    made: ClassVar[list[tuple]] = []
+    made: ClassVar[list[tuple]]
 
     def __init__(self, interval, function, args) -> None:
         self.made.append((interval, function, args))
@@ -135,6 +135,7 @@ class UnstartedTimer:
 
 
 def test_while_held_a_copy_waits_and_a_second_signal_exits_at_once(exits, monkeypatch):
+    monkeypatch.setattr(UnstartedTimer, "made", [], raising=False)
     monkeypatch.setattr(preemption.threading, "Timer", UnstartedTimer)
     clock = iter([100.0, 100.4, 100.5])
     monkeypatch.setattr(preemption.time, "monotonic", lambda: next(clock))
